@@ -1,0 +1,215 @@
+"""Write `.tinyloop` model files (GGUF v3, ``general.architecture = "tinyloop"``) from NumPy arrays.
+
+The layout is documented key by key in ``docs/format.md``; the Rust loader (``rust/loader.rs``) is its reader.
+Weights are ``(out_features, in_features)`` arrays, as in ``y = x @ W.T``; embeddings are ``(vocab, dim)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from os import PathLike
+
+import gguf
+import numpy as np
+
+from .vocab import Vocabulary, gpt2_vocabulary
+
+ARCH = "tinyloop"
+# Weight types a model file may use, by the names the API reports them under (model_info.quant).
+WEIGHT_TYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYER_NORMS = ("attn_norm", "ffn_norm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a looped model (DESIGN section 1). Defaults describe a small but complete model."""
+
+    dim: int = 256  # embedding_length
+    n_heads: int = 4
+    n_kv_heads: int = 4  # < n_heads means grouped-query attention
+    ffn_dim: int = 704  # SwiGLU hidden width
+    block_count: int = 2  # k: layers in the looped block
+    prelude_count: int = 0  # unshared layers applied once before the loop
+    default_loops: int = 8
+    max_trained_loops: int = 8
+    context_length: int = 1024
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    vocab_size: int = 50257
+    tied_head: bool = True  # False adds output.weight
+    name: str = "tinyloop"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the file must hold, with its NumPy shape."""
+        hd, kv = self.head_dim, self.n_kv_heads * self.head_dim
+        layer = {
+            "attn_norm": (self.dim,),
+            "attn_q": (self.dim, self.dim),
+            "attn_k": (kv, self.dim),
+            "attn_v": (kv, self.dim),
+            "attn_output": (self.dim, self.dim),
+            "ffn_norm": (self.dim,),
+            "ffn_gate": (self.ffn_dim, self.dim),
+            "ffn_up": (self.ffn_dim, self.dim),
+            "ffn_down": (self.dim, self.ffn_dim),
+        }
+        assert hd * self.n_heads == self.dim
+        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.vocab_size, self.dim)}
+        for prefix, count in (("pre", self.prelude_count), ("blk", self.block_count)):
+            for i in range(count):
+                for part, shape in layer.items():
+                    shapes[f"{prefix}.{i}.{part}.weight"] = shape
+        shapes["output_norm.weight"] = (self.dim,)
+        if not self.tied_head:
+            shapes["output.weight"] = (self.vocab_size, self.dim)
+        return shapes
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, np.ndarray]:
+    """Random weights of the right shapes (for tests and benchmarks); norms near 1."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in cfg.tensor_shapes().items():
+        if len(shape) == 1:
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (scale * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return out
+
+
+def _tensor_type(name: str, shape: tuple[int, ...], weight_type: str, embedding_type: str | None) -> str:
+    if len(shape) == 1:
+        return "F32"  # norms stay exact
+    if name in ("token_embd.weight", "output.weight") and embedding_type is not None:
+        return embedding_type
+    return weight_type
+
+
+V = gguf.GGUFValueType
+
+
+@dataclass
+class GGUFContents:
+    """Everything a `.tinyloop` file holds, before it is written: `metadata[key] = (value, type[, item type])`,
+    `tensors[name] = (float32 array, storage type name)`. Tests edit one to build invalid files."""
+
+    metadata: dict[str, tuple]
+    tensors: dict[str, tuple[np.ndarray, str]]
+
+
+def model_contents(
+    cfg: ModelConfig,
+    weights: Mapping[str, np.ndarray],
+    weight_type: str = "F32",
+    embedding_type: str | None = None,
+    vocab: Vocabulary | None = None,
+) -> GGUFContents:
+    vocab = vocab or gpt2_vocabulary()
+    if len(vocab) != cfg.vocab_size:
+        raise ValueError(f"vocabulary has {len(vocab)} tokens but cfg.vocab_size is {cfg.vocab_size}")
+    for t in (weight_type, embedding_type or weight_type):
+        if t not in WEIGHT_TYPES:
+            raise ValueError(f"unsupported weight type {t!r}; one of {sorted(WEIGHT_TYPES)}")
+    shapes = cfg.tensor_shapes()
+    missing = sorted(set(shapes) - set(weights))
+    if missing:
+        raise ValueError(f"missing tensors: {missing[:5]}")
+    meta: dict[str, tuple] = {
+        "general.architecture": (ARCH, V.STRING),
+        "general.name": (cfg.name, V.STRING),
+        "general.file_type": (_FILE_TYPES[weight_type], V.UINT32),
+    }
+    for key, value in _metadata(cfg):
+        meta[f"{ARCH}.{key}"] = (value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
+    meta.update(
+        {
+            "tokenizer.ggml.model": ("gpt2", V.STRING),
+            "tokenizer.ggml.pre": ("gpt-2", V.STRING),
+            "tokenizer.ggml.tokens": (vocab.tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.token_type": (vocab.token_types, V.ARRAY, V.INT32),
+            "tokenizer.ggml.merges": (vocab.merges, V.ARRAY, V.STRING),
+            "tokenizer.ggml.bos_token_id": (vocab.bos_token_id, V.UINT32),
+            "tokenizer.ggml.eos_token_id": (vocab.eos_token_id, V.UINT32),
+            "tokenizer.ggml.add_bos_token": (False, V.BOOL),
+        }
+    )
+    tensors = {}
+    for name, shape in shapes.items():
+        array = np.asarray(weights[name], dtype=np.float32)
+        if array.shape != shape:
+            raise ValueError(f"{name}: shape {array.shape}, expected {shape}")
+        tensors[name] = (array, _tensor_type(name, shape, weight_type, embedding_type))
+    return GGUFContents(meta, tensors)
+
+
+def write_gguf(path: str | PathLike[str], contents: GGUFContents) -> None:
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.kv_data[0].pop("general.architecture", None)  # written from `contents` like every other key
+    for key, (value, vtype, *sub) in contents.metadata.items():
+        w.add_key_value(key, value, vtype, sub[0] if sub else None)
+    for name, (array, ttype) in contents.tensors.items():
+        data = np.ascontiguousarray(array, dtype=np.float32)
+        if ttype == "F32":
+            w.add_tensor(name, data)
+        elif ttype == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[ttype]
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_model(
+    path: str | PathLike[str],
+    cfg: ModelConfig,
+    weights: Mapping[str, np.ndarray],
+    weight_type: str = "F32",
+    embedding_type: str | None = None,
+    vocab: Vocabulary | None = None,
+) -> None:
+    """Write a `.tinyloop` file. `weight_type` applies to every matrix, `embedding_type` (default: the same) to
+    token_embd/output; norms are always F32."""
+    write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab))
+
+
+def _metadata(cfg: ModelConfig) -> list[tuple[str, int | float]]:
+    return [
+        ("context_length", cfg.context_length),
+        ("embedding_length", cfg.dim),
+        ("feed_forward_length", cfg.ffn_dim),
+        ("attention.head_count", cfg.n_heads),
+        ("attention.head_count_kv", cfg.n_kv_heads),
+        ("attention.layer_norm_rms_epsilon", float(cfg.rms_eps)),
+        ("rope.freq_base", float(cfg.rope_theta)),
+        ("block_count", cfg.block_count),
+        ("prelude_count", cfg.prelude_count),
+        ("loops.default", cfg.default_loops),
+        ("loops.max_trained", cfg.max_trained_loops),
+    ]
+
+
+def dequantized(array: np.ndarray, weight_type: str) -> np.ndarray:
+    """What the engine sees after a round trip through `weight_type` (for reference computations)."""
+    data = np.ascontiguousarray(array, dtype=np.float32)
+    if weight_type == "F32":
+        return data
+    if weight_type == "F16":
+        return data.astype(np.float16).astype(np.float32)
+    qtype = WEIGHT_TYPES[weight_type]
+    return gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).astype(np.float32)

@@ -1,0 +1,146 @@
+//! Plain generation: prefill the prompt, then one token per step at a fixed loop depth.
+//! `Generator` is the per-request state machine; `generate` drives it to the end, `step` lets a caller stream.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::loader::{self, Config, MAX_LOOPS};
+use crate::model::{LogitRows, Model, SeqChunk};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token id was sampled (the stop token is not part of the output).
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What one step produced: a token, the end of the sequence, or both (the last token before `length`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    pub token: Option<u32>,
+    pub finish: Option<FinishReason>,
+}
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// "fp16" | "int8" | "int4" | "int2" | "mixed", from the file's tensor types.
+    pub quant: String,
+    /// Longest sequence (prompt + output) a request may use.
+    pub max_seq_len: usize,
+}
+
+impl Engine {
+    pub fn load(path: &Path, max_seq_len: Option<usize>) -> Result<Self> {
+        let file = loader::load(path)?;
+        let tokenizer = Tokenizer::from_vocab(&file.vocab).map_err(|e| Error::Format {
+            path: path.to_path_buf(),
+            what: "tokenizer.ggml.tokens/merges".into(),
+            reason: e.to_string(),
+        })?;
+        let quant = file.quant.clone();
+        let max_seq_len = max_seq_len.unwrap_or(file.config.context_length);
+        ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
+        let model = Model::new(file)?;
+        Ok(Self { model, tokenizer, quant, max_seq_len })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.model.cfg
+    }
+}
+
+/// One request's generation state. Holds the engine through an `Arc` so it can outlive the caller's borrow
+/// (the Python stream object owns one).
+pub struct Generator {
+    engine: Arc<Engine>,
+    cache: KvCache,
+    sampler: Sampler,
+    loops: usize,
+    prompt: Vec<u32>,
+    /// Tokens fed to the model so far (prompt + emitted output).
+    pos: usize,
+    pending: Option<u32>,
+    pub output: Vec<u32>,
+    pub finish: Option<FinishReason>,
+}
+
+impl Generator {
+    pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, params: SamplingParams, loops: Option<usize>) -> Result<Self> {
+        let loops = loops.unwrap_or(engine.config().default_loops);
+        ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
+        ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
+        let vocab = engine.config().vocab_size;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!("prompt token id {bad} is outside the {vocab}-token vocabulary")));
+        }
+        let needed = prompt.len() + params.max_tokens;
+        if needed > engine.max_seq_len {
+            return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
+        }
+        let sampler = Sampler::new(params, &prompt, vocab, engine.tokenizer.eos_token_id)?;
+        // Capacity `needed` leaves one spare position: the last output token is never fed back.
+        let cache = engine.model.new_cache(needed);
+        Ok(Self { engine, cache, sampler, loops, prompt, pos: 0, pending: None, output: Vec::new(), finish: None })
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt.len()
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.cache.bytes_in_use()
+    }
+
+    /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
+    pub fn step(&mut self) -> Result<Step> {
+        if let Some(f) = self.finish {
+            return Ok(Step { token: None, finish: Some(f) });
+        }
+        let feed: Vec<u32> = match self.pending.take() {
+            Some(t) => vec![t],
+            None => self.prompt.clone(),
+        };
+        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &feed }];
+        let logits = self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?;
+        self.pos += feed.len();
+        let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        let token = self.sampler.sample(&mut logits);
+        if self.sampler.is_stop(token) {
+            self.finish = Some(FinishReason::Stop);
+            return Ok(Step { token: None, finish: self.finish });
+        }
+        self.sampler.accept(token);
+        self.output.push(token);
+        if self.output.len() >= self.sampler.params().max_tokens {
+            self.finish = Some(FinishReason::Length);
+        } else {
+            self.pending = Some(token);
+        }
+        Ok(Step { token: Some(token), finish: self.finish })
+    }
+
+    /// Run to the end; returns the finish reason.
+    pub fn run(&mut self) -> Result<FinishReason> {
+        loop {
+            if let Some(f) = self.step()?.finish {
+                return Ok(f);
+            }
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! The KV cache: one slot per (prelude layer) and per (loop, block layer), each preallocated for the sequence's
+//! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
+//! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
+//!
+//! Element type: f32 for models whose weights are F32, f16 for every other model (the reference's "fp16" mode).
+//! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products.
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvKind {
+    F32,
+    F16,
+}
+
+impl KvKind {
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvKind::F32 => 4,
+            KvKind::F16 => 2,
+        }
+    }
+}
+
+pub trait KvElem: Copy + Send + Sync + Default + 'static {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+struct Slot<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+    len: usize,
+}
+
+enum SlotBuf {
+    F32(Slot<f32>),
+    F16(Slot<f16>),
+}
+
+/// Shape of attention for one call: `n_heads` query heads share `n_kv_heads` K/V heads (GQA).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+pub struct KvCache {
+    kind: KvKind,
+    shape: AttnShape,
+    capacity: usize,
+    slots: Vec<Option<SlotBuf>>,
+}
+
+impl KvCache {
+    pub fn new(kind: KvKind, shape: AttnShape, capacity: usize, n_slots: usize) -> Self {
+        Self { kind, shape, capacity, slots: (0..n_slots).map(|_| None).collect() }
+    }
+
+    pub fn kind(&self) -> KvKind {
+        self.kind
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Positions held by `slot` (0 if never written).
+    pub fn slot_len(&self, slot: usize) -> usize {
+        match self.slots.get(slot) {
+            Some(Some(SlotBuf::F32(s))) => s.len,
+            Some(Some(SlotBuf::F16(s))) => s.len,
+            _ => 0,
+        }
+    }
+
+    /// Roll every slot back to at most `len` positions. Nothing is freed; later writes overwrite in place.
+    pub fn truncate(&mut self, len: usize) {
+        for slot in self.slots.iter_mut().flatten() {
+            match slot {
+                SlotBuf::F32(s) => s.len = s.len.min(len),
+                SlotBuf::F16(s) => s.len = s.len.min(len),
+            }
+        }
+    }
+
+    /// Bytes of K/V holding live positions (what the metrics report).
+    pub fn bytes_in_use(&self) -> usize {
+        let per_pos = 2 * self.shape.n_kv_heads * self.shape.head_dim * self.kind.bytes_per_value();
+        (0..self.slots.len()).map(|s| self.slot_len(s) * per_pos).sum()
+    }
+
+    /// Write K/V rows for positions `pos..pos+n` into `slot`, then attend the `n` query rows causally over the slot.
+    /// `k`, `v`: `(n, n_kv_heads*head_dim)`; `q`, `out`: `(n, n_heads*head_dim)`, row i at position `pos + i`.
+    pub fn write_and_attend(&mut self, slot: usize, pos: usize, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+        let AttnShape { n_heads, n_kv_heads, head_dim } = self.shape;
+        let kvw = n_kv_heads * head_dim;
+        let n = k.len() / kvw;
+        if n == 0 || k.len() != n * kvw || v.len() != k.len() || q.len() != n * n_heads * head_dim || out.len() != q.len() {
+            return Err(Error::Internal(format!("attention: bad row shapes for slot {slot}")));
+        }
+        if pos + n > self.capacity {
+            return Err(Error::ContextLength { needed: pos + n, limit: self.capacity });
+        }
+        let have = self.slot_len(slot);
+        if pos > have {
+            return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {pos}")));
+        }
+        let (cap, shape) = (self.capacity, self.shape);
+        let size = cap * kvw;
+        let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
+        let buf = entry.get_or_insert_with(|| match self.kind {
+            KvKind::F32 => SlotBuf::F32(Slot { k: vec![0.0; size], v: vec![0.0; size], len: 0 }),
+            KvKind::F16 => SlotBuf::F16(Slot { k: vec![f16::ZERO; size], v: vec![f16::ZERO; size], len: 0 }),
+        });
+        match buf {
+            SlotBuf::F32(s) => s.write_and_attend(shape, cap, pos, k, v, q, out),
+            SlotBuf::F16(s) => s.write_and_attend(shape, cap, pos, k, v, q, out),
+        }
+        Ok(())
+    }
+}
+
+impl<T: KvElem> Slot<T> {
+    #[allow(clippy::too_many_arguments)]
+    fn write_and_attend(&mut self, shape: AttnShape, cap: usize, pos: usize, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) {
+        let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
+        let n = k.len() / (n_kv_heads * hd);
+        for i in 0..n {
+            for g in 0..n_kv_heads {
+                let src = (i * n_kv_heads + g) * hd;
+                let dst = (g * cap + pos + i) * hd;
+                for d in 0..hd {
+                    self.k[dst + d] = T::from_f32(k[src + d]);
+                    self.v[dst + d] = T::from_f32(v[src + d]);
+                }
+            }
+        }
+        self.len = pos + n;
+        let group = n_heads / n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (ks, vs) = (&self.k, &self.v);
+        // One task per (row, head); each writes its own head_dim-wide piece of `out`.
+        let task = |(idx, o): (usize, &mut [f32])| {
+            let (i, h) = (idx / n_heads, idx % n_heads);
+            let base = (h / group) * cap * hd;
+            let qv = &q[idx * hd..(idx + 1) * hd];
+            attend_one(qv, &ks[base..base + (pos + i + 1) * hd], &vs[base..base + (pos + i + 1) * hd], hd, scale, o);
+        };
+        let work = n * n_heads * (pos + n) * hd;
+        if work < 1 << 16 {
+            out.chunks_mut(hd).enumerate().for_each(task);
+        } else {
+            out.par_chunks_mut(hd).enumerate().for_each(task);
+        }
+    }
+}
+
+/// softmax(q·Kᵀ·scale)·V for one query row over `t = keys.len()/hd` positions, accumulated in f32.
+fn attend_one<T: KvElem>(q: &[f32], keys: &[T], values: &[T], hd: usize, scale: f32, out: &mut [f32]) {
+    let t = keys.len() / hd;
+    let mut scores: Vec<f32> = keys
+        .chunks_exact(hd)
+        .map(|kr| kr.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale)
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.fill(0.0);
+    for (p, vr) in scores.iter().zip(values.chunks_exact(hd)).take(t) {
+        let w = p / sum;
+        for (o, x) in out.iter_mut().zip(vr) {
+            *o += w * x.to_f32();
+        }
+    }
+}

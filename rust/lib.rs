@@ -1,0 +1,20 @@
+//! tinyloop: an inference engine for weight-shared looped transformer language models.
+//!
+//! `loader` reads the `.tinyloop` (GGUF) file, `tokenizer` is GPT-2 byte-level BPE, `model` is the candle forward
+//! pass, `kv` the cache and attention kernel, `sampler` turns logits into tokens, `engine` generates. `py` (feature
+//! `python`) is the only place that knows about Python.
+
+pub mod error;
+pub mod engine;
+pub mod kv;
+pub mod loader;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use engine::{Engine, FinishReason, Generator, Step};
+pub use error::{Error, Result};
+pub use sampler::SamplingParams;

@@ -1,0 +1,217 @@
+//! The looped transformer (DESIGN section 1): embeddings, optional unshared prelude layers, a block of k layers
+//! applied `loops` times, a shared final norm and head (tied to the embeddings unless `output.weight` exists).
+//!
+//! Every forward call takes a batch of sequence chunks: the linear layers see all rows at once, attention runs per
+//! sequence over its own cache. The loop range is explicit so a caller can run loops `d..L` on hidden states that a
+//! depth-`d` pass produced (the prefix property the speculative modes rely on).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::error::{Error, Result};
+use crate::kv::{AttnShape, KvCache, KvKind};
+use crate::loader::{Config, ModelFile, MAX_LOOPS};
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    ffn_norm: Tensor,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+pub struct Model {
+    pub cfg: Config,
+    embd: QMatMul,
+    head: QMatMul,
+    output_norm: Tensor,
+    prelude: Vec<Layer>,
+    block: Vec<Layer>,
+    /// RoPE inverse frequencies θ^(-2i/d), i < head_dim/2, in f64 so angles at large positions stay exact.
+    inv_freq: Vec<f64>,
+    kv_kind: KvKind,
+}
+
+/// New tokens of one sequence: written at positions `pos..pos+tokens.len()` of `cache`.
+pub struct SeqChunk<'a> {
+    pub cache: &'a mut KvCache,
+    pub pos: usize,
+    pub tokens: &'a [u32],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Only each sequence's last row: `(n_seqs, vocab)`.
+    Last,
+    /// Every row of every sequence, in order: `(total_tokens, vocab)`.
+    All,
+}
+
+fn take(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QTensor> {
+    tensors.remove(name).ok_or_else(|| Error::Internal(format!("tensor {name} vanished after validation")))
+}
+
+fn matmul(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QMatMul> {
+    Ok(QMatMul::from_qtensor(take(tensors, name)?)?)
+}
+
+fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Tensor> {
+    Ok(take(tensors, name)?.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+}
+
+impl Layer {
+    fn load(t: &mut HashMap<String, QTensor>, p: &str) -> Result<Self> {
+        Ok(Self {
+            attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?,
+            wq: matmul(t, &format!("{p}.attn_q.weight"))?,
+            wk: matmul(t, &format!("{p}.attn_k.weight"))?,
+            wv: matmul(t, &format!("{p}.attn_v.weight"))?,
+            wo: matmul(t, &format!("{p}.attn_output.weight"))?,
+            ffn_norm: norm(t, &format!("{p}.ffn_norm.weight"))?,
+            gate: matmul(t, &format!("{p}.ffn_gate.weight"))?,
+            up: matmul(t, &format!("{p}.ffn_up.weight"))?,
+            down: matmul(t, &format!("{p}.ffn_down.weight"))?,
+        })
+    }
+}
+
+impl Model {
+    pub fn new(file: ModelFile) -> Result<Self> {
+        let ModelFile { config: cfg, mut tensors, .. } = file;
+        let all_f32 = tensors.values().all(|t| t.dtype() == candle_core::quantized::GgmlDType::F32);
+        let head = match tensors.remove("output.weight") {
+            Some(t) => Some(QMatMul::from_qtensor(t)?),
+            None => None,
+        };
+        let embd = matmul(&mut tensors, "token_embd.weight")?;
+        let head = head.unwrap_or_else(|| embd.clone());
+        let output_norm = norm(&mut tensors, "output_norm.weight")?;
+        let prelude = (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
+        let block = (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
+        let half = cfg.head_dim / 2;
+        let inv_freq = (0..half).map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64)).collect();
+        let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
+        Ok(Self { cfg, embd, head, output_norm, prelude, block, inv_freq, kv_kind })
+    }
+
+    pub fn kv_kind(&self) -> KvKind {
+        self.kv_kind
+    }
+
+    /// A fresh cache for one sequence of up to `capacity` positions (memory is touched only as it fills).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let shape = AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
+        KvCache::new(self.kv_kind, shape, capacity, self.cfg.prelude_count + MAX_LOOPS * self.cfg.block_count)
+    }
+
+    /// Cache slot of block layer `layer` in loop `lp` (0-based); prelude layers take the first slots.
+    fn slot(&self, lp: usize, layer: usize) -> usize {
+        self.cfg.prelude_count + lp * self.cfg.block_count + layer
+    }
+
+    /// Token embeddings, `(n, dim)`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the {}-token vocabulary", self.cfg.vocab_size)));
+        }
+        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+        Ok(self.embd.embedding(&ids)?.to_dtype(DType::F32)?)
+    }
+
+    /// Run the prelude (when `with_prelude`) and then block loops `loops` over `x` (rows of all `seqs`, in order).
+    pub fn run(&self, mut x: Tensor, seqs: &mut [SeqChunk], with_prelude: bool, loops: Range<usize>) -> Result<Tensor> {
+        if loops.end > MAX_LOOPS {
+            return Err(Error::InvalidArgument(format!("loops must be at most {MAX_LOOPS}, got {}", loops.end)));
+        }
+        if with_prelude {
+            for (i, layer) in self.prelude.iter().enumerate() {
+                x = self.layer_forward(layer, &x, seqs, i)?;
+            }
+        }
+        for lp in loops {
+            for (j, layer) in self.block.iter().enumerate() {
+                x = self.layer_forward(layer, &x, seqs, self.slot(lp, j))?;
+            }
+        }
+        Ok(x)
+    }
+
+    /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?;
+        Ok(self.head.forward(&h)?.to_dtype(DType::F32)?)
+    }
+
+    /// The whole model at depth `loops` over new tokens of each sequence, returning logits.
+    pub fn forward(&self, seqs: &mut [SeqChunk], loops: usize, rows: LogitRows) -> Result<Tensor> {
+        if loops == 0 || loops > MAX_LOOPS {
+            return Err(Error::InvalidArgument(format!("loops must be in 1..={MAX_LOOPS}, got {loops}")));
+        }
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        if tokens.is_empty() || seqs.iter().any(|s| s.tokens.is_empty()) {
+            return Err(Error::InvalidArgument("forward needs at least one token per sequence".into()));
+        }
+        let x = self.embed(&tokens)?;
+        let h = self.run(x, seqs, true, 0..loops)?;
+        let h = match rows {
+            LogitRows::All => h,
+            LogitRows::Last => {
+                let mut ends = Vec::with_capacity(seqs.len());
+                let mut off = 0u32;
+                for s in seqs.iter() {
+                    off += s.tokens.len() as u32;
+                    ends.push(off - 1);
+                }
+                h.index_select(&Tensor::new(ends.as_slice(), &Device::Cpu)?, 0)?
+            }
+        };
+        self.logits(&h)
+    }
+
+    fn layer_forward(&self, l: &Layer, x: &Tensor, seqs: &mut [SeqChunk], slot: usize) -> Result<Tensor> {
+        let eps = self.cfg.rms_eps as f32;
+        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.n_heads, self.cfg.n_kv_heads);
+        let h = candle_nn::ops::rms_norm(x, &l.attn_norm, eps)?;
+        let mut q = l.wq.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nh*hd)
+        let mut k = l.wk.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nkv*hd)
+        let v = l.wv.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nkv*hd)
+        let mut att = vec![0f32; q.len()];
+        let mut row = 0;
+        for s in seqs.iter_mut() {
+            let n = s.tokens.len();
+            let (qr, kr) = (row * nh * hd..(row + n) * nh * hd, row * nkv * hd..(row + n) * nkv * hd);
+            self.rope(&mut q[qr.clone()], nh, s.pos);
+            self.rope(&mut k[kr.clone()], nkv, s.pos);
+            s.cache.write_and_attend(slot, s.pos, &k[kr.clone()], &v[kr], &q[qr.clone()], &mut att[qr])?;
+            row += n;
+        }
+        let att = Tensor::from_vec(att, x.dims(), &Device::Cpu)?;
+        let x = (x + l.wo.forward(&att)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
+        let m = (candle_nn::ops::silu(&l.gate.forward(&h)?)? * l.up.forward(&h)?)?;
+        Ok((x + l.down.forward(&m)?)?)
+    }
+
+    /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), rows from `pos0`.
+    fn rope(&self, x: &mut [f32], heads: usize, pos0: usize) {
+        let hd = self.cfg.head_dim;
+        for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+            let p = (pos0 + r) as f64;
+            let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)).collect();
+            for head in row.chunks_exact_mut(hd) {
+                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {
+                    let (a, b) = (pair[0], pair[1]);
+                    pair[0] = a * c - b * s;
+                    pair[1] = a * s + b * c;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! The Python module `tinyloop._core`. Everything Python-facing lives here: argument conversion, GIL release,
+//! typed exceptions. Heavy calls run with the GIL released; a Rust panic becomes `EngineError`, never a crash.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::engine::{Engine as RsEngine, Generator};
+use crate::error::Error;
+use crate::kv::KvCache;
+use crate::model::{LogitRows, SeqChunk};
+use crate::sampler::SamplingParams as RsParams;
+
+create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
+create_exception!(_core, ModelLoadError, TinyloopError, "The model file is missing, not GGUF, or not a valid tinyloop model.");
+create_exception!(_core, TokenizerError, TinyloopError, "The vocabulary in the file cannot form a GPT-2 tokenizer, or text cannot be tokenized.");
+create_exception!(_core, InvalidRequestError, TinyloopError, "An argument is out of range or inconsistent.");
+create_exception!(_core, ContextLengthError, InvalidRequestError, "Prompt plus max_tokens exceeds the sequence limit.");
+create_exception!(_core, EngineError, TinyloopError, "An internal engine failure (a bug): the request failed, the engine keeps serving.");
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::NotFound(_) | Error::NotGguf { .. } | Error::Format { .. } => ModelLoadError::new_err(msg),
+        Error::Tokenizer(_) => TokenizerError::new_err(msg),
+        Error::InvalidArgument(_) => InvalidRequestError::new_err(msg),
+        Error::ContextLength { .. } => ContextLengthError::new_err(msg),
+        Error::Internal(_) => EngineError::new_err(msg),
+    }
+}
+
+/// Run `f` with the GIL released; map errors and panics to Python exceptions.
+fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    py.detach(|| match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            Err(Error::Internal(format!("panic in engine: {}", what.unwrap_or_default())))
+        }
+    })
+    .map_err(to_py)
+}
+
+#[derive(FromPyObject)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Frozen sampling parameters (module doc of `rust/sampler.rs` gives the exact semantics).
+#[pyclass(frozen, module = "tinyloop._core")]
+#[derive(Clone)]
+struct SamplingParams(RsParams);
+
+#[pymethods]
+impl SamplingParams {
+    #[new]
+    #[pyo3(signature = (*, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0,
+        frequency_penalty=0.0, seed=None, max_tokens=128, min_tokens=0, ignore_eos=false, stop_token_ids=vec![]))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        repetition_penalty: f32,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        seed: Option<u64>,
+        max_tokens: usize,
+        min_tokens: usize,
+        ignore_eos: bool,
+        stop_token_ids: Vec<u32>,
+    ) -> PyResult<Self> {
+        let p = RsParams { temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, seed, max_tokens, min_tokens, ignore_eos, stop_token_ids };
+        p.validate().map_err(to_py)?;
+        Ok(Self(p))
+    }
+
+    #[getter]
+    fn temperature(&self) -> f32 { self.0.temperature }
+    #[getter]
+    fn top_k(&self) -> usize { self.0.top_k }
+    #[getter]
+    fn top_p(&self) -> f32 { self.0.top_p }
+    #[getter]
+    fn repetition_penalty(&self) -> f32 { self.0.repetition_penalty }
+    #[getter]
+    fn presence_penalty(&self) -> f32 { self.0.presence_penalty }
+    #[getter]
+    fn frequency_penalty(&self) -> f32 { self.0.frequency_penalty }
+    #[getter]
+    fn seed(&self) -> Option<u64> { self.0.seed }
+    #[getter]
+    fn max_tokens(&self) -> usize { self.0.max_tokens }
+    #[getter]
+    fn min_tokens(&self) -> usize { self.0.min_tokens }
+    #[getter]
+    fn ignore_eos(&self) -> bool { self.0.ignore_eos }
+    #[getter]
+    fn stop_token_ids(&self) -> Vec<u32> { self.0.stop_token_ids.clone() }
+
+    fn __repr__(&self) -> String {
+        format!("SamplingParams({:?})", self.0)
+    }
+}
+
+/// The model's configuration, as read from the file.
+#[pyclass(frozen, get_all, module = "tinyloop._core")]
+struct ModelInfo {
+    name: String,
+    dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    ffn_dim: usize,
+    vocab_size: usize,
+    block_count: usize,
+    prelude_count: usize,
+    default_loops: usize,
+    max_trained_loops: usize,
+    context_length: usize,
+    max_seq_len: usize,
+    quant: String,
+    kv_dtype: String,
+}
+
+#[pymethods]
+impl ModelInfo {
+    fn __repr__(&self) -> String {
+        format!("ModelInfo(name={:?}, dim={}, n_heads={}, n_kv_heads={}, ffn_dim={}, k={}, default_loops={}, quant={:?})",
+            self.name, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.block_count, self.default_loops, self.quant)
+    }
+}
+
+/// Result of `Engine.generate`.
+#[pyclass(frozen, get_all, module = "tinyloop._core")]
+struct Generation {
+    tokens: Vec<u32>,
+    text: String,
+    finish_reason: String,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+/// One streamed step: a token (`token_id` >= 0, with its bytes) and/or the end (`finish_reason`).
+#[pyclass(frozen, get_all, module = "tinyloop._core")]
+struct StepEvent {
+    token_id: i64,
+    bytes: Py<PyBytes>,
+    finish_reason: Option<String>,
+}
+
+#[pyclass(module = "tinyloop._core")]
+struct TokenStream {
+    engine: Arc<RsEngine>,
+    generator: Generator,
+    done: bool,
+}
+
+#[pymethods]
+impl TokenStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<StepEvent>> {
+        if self.done {
+            return Ok(None);
+        }
+        let generator = &mut self.generator;
+        let step = detached(py, || generator.step())?;
+        self.done = step.finish.is_some();
+        let bytes = match step.token {
+            Some(t) => self.engine.tokenizer.token_bytes(t).map_err(to_py)?.to_vec(),
+            None => Vec::new(),
+        };
+        Ok(Some(StepEvent {
+            token_id: step.token.map_or(-1, i64::from),
+            bytes: PyBytes::new(py, &bytes).unbind(),
+            finish_reason: step.finish.map(|f| f.as_str().to_string()),
+        }))
+    }
+
+    /// Tokens in the prompt.
+    #[getter]
+    fn prompt_tokens(&self) -> usize {
+        self.generator.prompt_len()
+    }
+
+    /// Bytes of KV cache this request holds.
+    #[getter]
+    fn kv_bytes(&self) -> usize {
+        self.generator.kv_bytes()
+    }
+}
+
+/// Low-level access to one sequence's cache: feed tokens, read logits, roll back. For tests and tools.
+#[pyclass(module = "tinyloop._core")]
+struct Sequence {
+    engine: Arc<RsEngine>,
+    cache: KvCache,
+    len: usize,
+}
+
+#[pymethods]
+impl Sequence {
+    /// Feed `ids` at depth `loops`; returns float32 logits of every new row, `len(ids) * vocab` values, as bytes.
+    fn feed<'py>(&mut self, py: Python<'py>, ids: Vec<u32>, loops: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let (engine, cache, pos) = (&self.engine, &mut self.cache, self.len);
+        let logits = detached(py, || {
+            let mut seqs = [SeqChunk { cache, pos, tokens: &ids }];
+            let t = engine.model.forward(&mut seqs, loops, LogitRows::All)?;
+            Ok(t.flatten_all()?.to_vec1::<f32>()?)
+        })?;
+        self.len += logits.len() / self.engine.config().vocab_size;
+        let raw: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &raw))
+    }
+
+    /// Roll back to the first `n` positions.
+    fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+        self.cache.truncate(self.len);
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    #[getter]
+    fn kv_bytes(&self) -> usize {
+        self.cache.bytes_in_use()
+    }
+}
+
+#[pyclass(frozen, module = "tinyloop._core")]
+struct Engine {
+    inner: Arc<RsEngine>,
+    path: String,
+}
+
+impl Engine {
+    fn prompt_ids(&self, py: Python<'_>, prompt: Prompt) -> PyResult<Vec<u32>> {
+        match prompt {
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::Text(text) => detached(py, || self.inner.tokenizer.encode(&text, false)),
+        }
+    }
+
+    fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<Generator> {
+        let ids = self.prompt_ids(py, prompt)?;
+        let params = params.map(|p| p.0.clone()).unwrap_or_default();
+        Generator::new(self.inner.clone(), ids, params, loops).map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (path, max_seq_len=None))]
+    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>) -> PyResult<Self> {
+        let inner = detached(py, || RsEngine::load(&path, max_seq_len))?;
+        Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
+    }
+
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    #[getter]
+    fn info(&self) -> ModelInfo {
+        let c = self.inner.config();
+        ModelInfo {
+            name: c.name.clone(),
+            dim: c.dim,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            ffn_dim: c.ffn_dim,
+            vocab_size: c.vocab_size,
+            block_count: c.block_count,
+            prelude_count: c.prelude_count,
+            default_loops: c.default_loops,
+            max_trained_loops: c.max_trained_loops,
+            context_length: c.context_length,
+            max_seq_len: self.inner.max_seq_len,
+            quant: self.inner.quant.clone(),
+            kv_dtype: format!("{:?}", self.inner.model.kv_kind()).to_lowercase(),
+        }
+    }
+
+    #[getter]
+    fn eos_token_id(&self) -> u32 {
+        self.inner.tokenizer.eos_token_id
+    }
+
+    #[pyo3(signature = (text, allow_special=false))]
+    fn encode(&self, py: Python<'_>, text: String, allow_special: bool) -> PyResult<Vec<u32>> {
+        detached(py, || self.inner.tokenizer.encode(&text, allow_special))
+    }
+
+    /// Decode ids to text; bytes that do not form whole UTF-8 characters become U+FFFD.
+    fn decode(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<String> {
+        detached(py, || self.inner.tokenizer.decode(&ids))
+    }
+
+    fn token_bytes<'py>(&self, py: Python<'py>, id: u32) -> PyResult<Bound<'py, PyBytes>> {
+        let b = self.inner.tokenizer.token_bytes(id).map_err(to_py)?;
+        Ok(PyBytes::new(py, b))
+    }
+
+    /// Generate to the end in Rust with the GIL released.
+    #[pyo3(signature = (prompt, params=None, loops=None))]
+    fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<Generation> {
+        let mut g = self.generator(py, prompt, params, loops)?;
+        let tok = &self.inner.tokenizer;
+        let (finish, text) = detached(py, || {
+            let finish = g.run()?;
+            Ok((finish, tok.decode(&g.output)?))
+        })?;
+        Ok(Generation {
+            completion_tokens: g.output.len(),
+            prompt_tokens: g.prompt_len(),
+            tokens: g.output,
+            text,
+            finish_reason: finish.as_str().to_string(),
+        })
+    }
+
+    /// An iterator of `StepEvent`s, one model step per `next()` (GIL released during the step).
+    #[pyo3(signature = (prompt, params=None, loops=None))]
+    fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<TokenStream> {
+        let generator = self.generator(py, prompt, params, loops)?;
+        Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
+    }
+
+    /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len).
+    #[pyo3(signature = (capacity=None))]
+    fn sequence(&self, capacity: Option<usize>) -> Sequence {
+        let cap = capacity.unwrap_or(self.inner.max_seq_len);
+        Sequence { engine: self.inner.clone(), cache: self.inner.model.new_cache(cap), len: 0 }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Engine>()?;
+    m.add_class::<SamplingParams>()?;
+    m.add_class::<ModelInfo>()?;
+    m.add_class::<Generation>()?;
+    m.add_class::<StepEvent>()?;
+    m.add_class::<TokenStream>()?;
+    m.add_class::<Sequence>()?;
+    m.add("TinyloopError", py.get_type::<TinyloopError>())?;
+    m.add("ModelLoadError", py.get_type::<ModelLoadError>())?;
+    m.add("TokenizerError", py.get_type::<TokenizerError>())?;
+    m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
+    m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
+    m.add("EngineError", py.get_type::<EngineError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Turning logits into the next token: penalties, temperature, top-k, exact top-p, seeded sampling.
+//!
+//! Order of operations (each step is skipped at its neutral value):
+//! 1. `repetition_penalty` (CTRL): for every token seen in the prompt or the output, a positive logit is divided by
+//!    the penalty and a negative one multiplied by it, so > 1 penalises.
+//! 2. OpenAI penalties over generated tokens: `logit -= presence·[count > 0] + frequency·count`.
+//! 3. Before `min_tokens` tokens (or always with `ignore_eos`), end-of-sequence and stop ids are masked out.
+//! 4. `temperature == 0` → argmax (lowest id wins a tie). Otherwise divide by T, keep the top-k (0 = all),
+//!    softmax, keep the smallest set whose mass ≥ top_p (ties in descending-probability order broken by lower
+//!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none).
+
+use std::collections::HashMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::ensure_arg;
+use crate::error::Result;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: 128,
+            min_tokens: 0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Reject values no sampler can honour (the HTTP layer applies the API's narrower ranges first).
+    pub fn validate(&self) -> Result<()> {
+        ensure_arg!(self.temperature.is_finite() && self.temperature >= 0.0, "temperature must be >= 0, got {}", self.temperature);
+        ensure_arg!((0.0..=1.0).contains(&self.top_p), "top_p must be in [0, 1], got {}", self.top_p);
+        ensure_arg!(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0, "repetition_penalty must be > 0, got {}", self.repetition_penalty);
+        ensure_arg!(self.presence_penalty.is_finite(), "presence_penalty must be finite");
+        ensure_arg!(self.frequency_penalty.is_finite(), "frequency_penalty must be finite");
+        ensure_arg!(self.max_tokens >= 1, "max_tokens must be >= 1");
+        ensure_arg!(self.min_tokens <= self.max_tokens, "min_tokens ({}) must not exceed max_tokens ({})", self.min_tokens, self.max_tokens);
+        Ok(())
+    }
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Tokens of prompt and output (for the repetition penalty).
+    seen: Vec<bool>,
+    /// How often each token was generated (for presence/frequency).
+    counts: HashMap<u32, u32>,
+    generated: usize,
+    eos: u32,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Result<Self> {
+        params.validate()?;
+        let rng = match params.seed {
+            Some(s) => ChaCha8Rng::seed_from_u64(s),
+            None => ChaCha8Rng::from_rng(&mut rand::rng()),
+        };
+        let mut seen = vec![false; vocab];
+        for &t in prompt {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        Ok(Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Record a generated token (penalty state and the min_tokens count).
+    pub fn accept(&mut self, token: u32) {
+        if let Some(s) = self.seen.get_mut(token as usize) {
+            *s = true;
+        }
+        *self.counts.entry(token).or_insert(0) += 1;
+        self.generated += 1;
+    }
+
+    /// True if `token` ends the sequence (EOS unless ignored, or a stop id).
+    pub fn is_stop(&self, token: u32) -> bool {
+        (token == self.eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token)
+    }
+
+    /// Steps 1–3 of the module doc, in place.
+    pub fn process(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for (l, _) in logits.iter_mut().zip(&self.seen).filter(|(_, s)| **s) {
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+        let early = self.generated < p.min_tokens;
+        let mut mask = |t: u32| {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        };
+        if early || p.ignore_eos {
+            mask(self.eos);
+        }
+        if early {
+            p.stop_token_ids.iter().for_each(|&t| mask(t));
+        }
+    }
+
+    /// Choose the next token from raw logits (modified in place).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.process(logits);
+        if self.params.temperature == 0.0 {
+            return argmax(logits);
+        }
+        let candidates = candidates(logits, self.params.temperature, self.params.top_k, self.params.top_p);
+        let total: f64 = candidates.iter().map(|c| c.1).sum();
+        let mut u = self.rng.random::<f64>() * total;
+        for &(id, p) in &candidates {
+            if u < p {
+                return id;
+            }
+            u -= p;
+        }
+        candidates.last().map_or_else(|| argmax(logits), |c| c.0)
+    }
+}
+
+/// Index of the largest logit; the lowest index among equals.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The tokens that may be drawn, with unnormalised probabilities, in descending probability (ties: lower id first).
+pub fn candidates(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<(u32, f64)> {
+    let mut order: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
+    if order.is_empty() {
+        return vec![(argmax(logits), 1.0)];
+    }
+    // Stable sort by logit, descending: equal logits keep id order.
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    if top_k > 0 && top_k < order.len() {
+        order.truncate(top_k);
+    }
+    let max = logits[order[0] as usize] as f64;
+    let t = temperature as f64;
+    let mut probs: Vec<(u32, f64)> = order.iter().map(|&i| (i, ((logits[i as usize] as f64 - max) / t).exp())).collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    if top_p < 1.0 {
+        let target = top_p as f64 * total;
+        let mut mass = 0.0;
+        let mut keep = 0;
+        for (_, p) in &probs {
+            mass += p;
+            keep += 1;
+            if mass >= target {
+                break;
+            }
+        }
+        probs.truncate(keep.max(1));
+    }
+    probs
+}
+
+#[cfg(test)]
+#[path = "sampler_tests.rs"]
+mod tests;

@@ -1,0 +1,118 @@
+//! GPT-2 byte-level BPE built from the model file's `tokens` / `token_type` / `merges`.
+//!
+//! The BPE itself is tiktoken's algorithm (`tiktoken-rs`), which merges by rank. GPT-2's merge list and its ranks
+//! agree when each merge's result has a larger id than the results of all earlier merges, so the loader checks
+//! exactly that and uses ids as ranks. Control tokens (type 3, e.g. `<|endoftext|>`) are special tokens: they are
+//! recognised in text only when the caller asks for it.
+
+use std::collections::{HashMap, HashSet};
+
+use rustc_hash::FxHashMap;
+use tiktoken_rs::CoreBPE;
+
+use crate::error::{Error, Result};
+use crate::loader::VocabData;
+
+const GPT2_PATTERN: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s";
+const TOKEN_TYPE_CONTROL: i64 = 3;
+
+pub struct Tokenizer {
+    bpe: CoreBPE,
+    /// id -> bytes, for every id (special tokens as their UTF-8 text).
+    bytes: Vec<Vec<u8>>,
+    specials: Vec<String>,
+    pub eos_token_id: u32,
+}
+
+/// GPT-2's printable-unicode spelling of bytes, inverted: char -> byte.
+fn unicode_to_byte() -> HashMap<char, u8> {
+    let mut printable: Vec<u32> = (u32::from('!')..=u32::from('~')).collect();
+    printable.extend(u32::from('¡')..=u32::from('¬'));
+    printable.extend(u32::from('®')..=u32::from('ÿ'));
+    let mut map: HashMap<char, u8> = printable.iter().map(|&c| (char::from_u32(c).unwrap_or('\0'), c as u8)).collect();
+    let mut extra = 0u32;
+    for b in 0u32..256 {
+        if !printable.contains(&b) {
+            map.insert(char::from_u32(256 + extra).unwrap_or('\0'), b as u8);
+            extra += 1;
+        }
+    }
+    map
+}
+
+impl Tokenizer {
+    pub fn from_vocab(v: &VocabData) -> Result<Self> {
+        let table = unicode_to_byte();
+        let spell = |s: &str| -> Result<Vec<u8>> {
+            s.chars()
+                .map(|c| table.get(&c).copied().ok_or_else(|| Error::Tokenizer(format!("token {s:?} has character {c:?} outside GPT-2's byte alphabet"))))
+                .collect()
+        };
+        let mut encoder: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
+        let mut specials_map: FxHashMap<String, u32> = FxHashMap::default();
+        let mut bytes = Vec::with_capacity(v.tokens.len());
+        for (id, (tok, ty)) in v.tokens.iter().zip(&v.token_types).enumerate() {
+            let id = id as u32;
+            if *ty == TOKEN_TYPE_CONTROL {
+                specials_map.insert(tok.clone(), id);
+                bytes.push(tok.as_bytes().to_vec());
+            } else {
+                let b = spell(tok)?;
+                if b.is_empty() {
+                    return Err(Error::Tokenizer(format!("token {id} is empty")));
+                }
+                if let Some(prev) = encoder.insert(b.clone(), id) {
+                    return Err(Error::Tokenizer(format!("tokens {prev} and {id} spell the same bytes")));
+                }
+                bytes.push(b);
+            }
+        }
+        for b in 0..=255u8 {
+            if !encoder.contains_key(&vec![b]) {
+                return Err(Error::Tokenizer(format!("byte {b:#04x} has no token")));
+            }
+        }
+        // Merges must be consistent with using ids as ranks.
+        let mut last = 0u32;
+        for (i, m) in v.merges.iter().enumerate() {
+            let (a, b) = m.split_once(' ').ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} is not \"left right\"")))?;
+            let mut joined = spell(a)?;
+            joined.extend(spell(b)?);
+            let id = *encoder.get(&joined).ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} makes no token")))?;
+            if id <= last && i > 0 {
+                return Err(Error::Tokenizer(format!("merge {i} {m:?} makes token {id}, not after {last}: ranks must follow ids")));
+            }
+            last = id;
+        }
+        let specials: Vec<String> = specials_map.keys().cloned().collect();
+        let bpe = CoreBPE::new(encoder, specials_map, GPT2_PATTERN).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(Self { bpe, bytes, specials, eos_token_id: v.eos_token_id })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Encode text; special-token text is encoded as ordinary text unless `allow_special`.
+    pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
+        let allowed: HashSet<&str> = if allow_special { self.specials.iter().map(String::as_str).collect() } else { HashSet::new() };
+        self.bpe.encode(text, &allowed).map(|(ids, _)| ids).map_err(|e| Error::Tokenizer(e.message))
+    }
+
+    pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
+        self.bytes.get(id as usize).map(Vec::as_slice).ok_or_else(|| Error::InvalidArgument(format!("token id {id} is outside the {}-token vocabulary", self.bytes.len())))
+    }
+
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for &id in ids {
+            out.extend_from_slice(self.token_bytes(id)?);
+        }
+        Ok(out)
+    }
+
+    /// Decode to text; invalid UTF-8 (a sequence cut mid-character) becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+}

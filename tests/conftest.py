@@ -1,0 +1,52 @@
+"""Shared fixtures: small random models written with `tinyloop.format`, cached per test session."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyloop.format import ModelConfig, random_weights, write_model
+
+# A tiny GQA model with a prelude (2 query heads per KV head) and one without prelude, both full GPT-2 vocab.
+TINY = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, prelude_count=1, default_loops=3,
+                   context_length=256, name="tiny-test")
+TINY_NOPRE = dataclasses.replace(TINY, prelude_count=0, n_kv_heads=4, tied_head=False, name="tiny-nopre")
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    cfg: ModelConfig
+    weights: dict[str, np.ndarray]
+    path: Path
+    weight_type: str
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    cache: dict[tuple, BuiltModel] = {}
+
+    def build(cfg: ModelConfig = TINY, weight_type: str = "F32", seed: int = 0) -> BuiltModel:
+        key = (cfg, weight_type, seed)
+        if key not in cache:
+            weights = random_weights(cfg, seed=seed)
+            path = tmp_path_factory.mktemp("models") / f"{cfg.name}-{weight_type}-{seed}.tinyloop"
+            write_model(path, cfg, weights, weight_type=weight_type)
+            cache[key] = BuiltModel(cfg, weights, path, weight_type)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny(model_factory) -> BuiltModel:
+    return model_factory(TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny):
+    import tinyloop
+
+    return tinyloop.Engine(tiny.path)

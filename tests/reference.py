@@ -1,0 +1,74 @@
+"""An independent NumPy forward pass of the looped transformer, written from DESIGN section 1 (not from the Rust code).
+
+x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_norm; head (tied unless output.weight).
+A layer: x += Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)); x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)), n = rms_norm.
+RoPE rotates adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim). GQA: query head h reads K/V head h // (H / H_kv).
+Computed in float64; K and V are rounded to `kv_dtype` before use, as the engine's cache stores them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyloop.format import ModelConfig
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: (T, heads, hd). Rotate each adjacent pair by pos * theta^(-2i/hd)."""
+    hd = x.shape[-1]
+    freqs = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # (hd/2,)
+    ang = positions[:, None].astype(np.float64) * freqs[None, :]  # (T, hd/2)
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype) -> np.ndarray:
+    T = x.shape[0]
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    pos = np.arange(T)
+    h = rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps)
+    q = rope((h @ w[f"{p}.attn_q.weight"].T).reshape(T, H, hd), pos, cfg.rope_theta)
+    k = rope((h @ w[f"{p}.attn_k.weight"].T).reshape(T, KV, hd), pos, cfg.rope_theta)
+    v = (h @ w[f"{p}.attn_v.weight"].T).reshape(T, KV, hd)
+    k = k.astype(kv_dtype).astype(np.float64)
+    v = v.astype(kv_dtype).astype(np.float64)
+    group = H // KV
+    out = np.empty((T, H, hd))
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    for head in range(H):
+        g = head // group
+        s = (q[:, head, :] @ k[:, g, :].T) / np.sqrt(hd)
+        s = np.where(causal, s, -np.inf)
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        s /= s.sum(axis=1, keepdims=True)
+        out[:, head, :] = s @ v[:, g, :]
+    x = x + out.reshape(T, H * hd) @ w[f"{p}.attn_output.weight"].T
+    h = rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps)
+    m = silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)
+    return x + m @ w[f"{p}.ffn_down.weight"].T
+
+
+def forward(cfg: ModelConfig, weights: dict[str, np.ndarray], tokens: list[int], loops: int, kv_dtype=np.float32) -> np.ndarray:
+    """Logits (T, vocab) for every position of `tokens` at depth `loops`."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    x = w["token_embd.weight"][np.asarray(tokens)]
+    for i in range(cfg.prelude_count):
+        x = layer(cfg, w, f"pre.{i}", x, kv_dtype)
+    for _ in range(loops):
+        for j in range(cfg.block_count):
+            x = layer(cfg, w, f"blk.{j}", x, kv_dtype)
+    x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+    head = w.get("output.weight", w["token_embd.weight"])
+    return x @ head.T
