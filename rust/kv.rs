@@ -203,3 +203,68 @@ fn attend_one<T: KvElem>(q: &[f32], keys: &[T], values: &[T], hd: usize, scale: 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0) - 1.0).collect()
+    }
+
+    /// Plain causal attention over all rows at once, for comparison.
+    fn naive(shape: AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
+        let n = q.len() / (n_heads * hd);
+        let mut out = vec![0.0; q.len()];
+        for i in 0..n {
+            for h in 0..n_heads {
+                let g = h / (n_heads / n_kv_heads);
+                let qv = &q[(i * n_heads + h) * hd..][..hd];
+                let s: Vec<f32> = (0..=i).map(|t| (0..hd).map(|d| qv[d] * k[(t * n_kv_heads + g) * hd + d]).sum::<f32>() / (hd as f32).sqrt()).collect();
+                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
+                for t in 0..=i {
+                    for d in 0..hd {
+                        out[(i * n_heads + h) * hd + d] += (s[t] - m).exp() / z * v[(t * n_kv_heads + g) * hd + d];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn prefill_decode_and_rollback_match_naive_attention() {
+        let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+        let (n, qw, kw) = (6, 32, 16);
+        let (q, k, v) = (pseudo(n * qw, 1), pseudo(n * kw, 2), pseudo(n * kw, 3));
+        let want = naive(shape, &q, &k, &v);
+        let mut cache = KvCache::new(KvKind::F32, shape, 16, 1);
+        let mut out = vec![0.0; n * qw];
+        cache.write_and_attend(0, 0, &k, &v, &q, &mut out).unwrap();
+        assert!(out.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5));
+        // Roll back to 2 positions and decode the rest one by one: same rows.
+        cache.truncate(2);
+        assert_eq!(cache.slot_len(0), 2);
+        for i in 2..n {
+            let mut o = vec![0.0; qw];
+            cache.write_and_attend(0, i, &k[i * kw..][..kw], &v[i * kw..][..kw], &q[i * qw..][..qw], &mut o).unwrap();
+            assert!(o.iter().zip(&want[i * qw..]).all(|(a, b)| (a - b).abs() < 1e-5), "row {i}");
+        }
+        assert_eq!(cache.bytes_in_use(), n * 2 * kw * 4);
+    }
+
+    #[test]
+    fn writes_past_capacity_or_gaps_are_errors() {
+        let shape = AttnShape { n_heads: 2, n_kv_heads: 1, head_dim: 4 };
+        let mut cache = KvCache::new(KvKind::F16, shape, 2, 2);
+        let (k, q) = (vec![0.5; 4], vec![0.5; 8]);
+        let mut out = vec![0.0; 8];
+        assert!(matches!(cache.write_and_attend(0, 2, &k, &k, &q, &mut out), Err(Error::ContextLength { needed: 3, limit: 2 })));
+        assert!(matches!(cache.write_and_attend(1, 1, &k, &k, &q, &mut out), Err(Error::Internal(_))));
+        cache.write_and_attend(0, 0, &k, &k, &q, &mut out).unwrap();
+        assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-3)); // one position: output is its value
+        assert_eq!(cache.bytes_in_use(), 2 * 4 * 2);
+    }
+}

@@ -4,6 +4,8 @@ x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_no
 A layer: x += Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)); x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)), n = rms_norm.
 RoPE rotates adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim). GQA: query head h reads K/V head h // (H / H_kv).
 Computed in float64; K and V are rounded to `kv_dtype` before use, as the engine's cache stores them.
+With `act_q8=True` every input of a weight matmul (and of the head) is rounded through Q8_0 blocks first: that is
+what ggml-style integer kernels do with quantized weights (activations are quantized to 8 bits per 32-value block).
 """
 
 from __future__ import annotations
@@ -30,15 +32,24 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
+def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
+    """Quantize rows to Q8_0 (per 32 values: scale = max|x|/127 stored as f16, round half away from zero)."""
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / 127.0
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.trunc(blocks * inv + np.copysign(0.5, blocks))
+    return (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype) -> np.ndarray:
+def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype, aq) -> np.ndarray:
     T = x.shape[0]
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pos = np.arange(T)
-    h = rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps)
+    h = aq(rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps))
     q = rope((h @ w[f"{p}.attn_q.weight"].T).reshape(T, H, hd), pos, cfg.rope_theta)
     k = rope((h @ w[f"{p}.attn_k.weight"].T).reshape(T, KV, hd), pos, cfg.rope_theta)
     v = (h @ w[f"{p}.attn_v.weight"].T).reshape(T, KV, hd)
@@ -54,21 +65,29 @@ def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_
         s = np.exp(s - s.max(axis=1, keepdims=True))
         s /= s.sum(axis=1, keepdims=True)
         out[:, head, :] = s @ v[:, g, :]
-    x = x + out.reshape(T, H * hd) @ w[f"{p}.attn_output.weight"].T
-    h = rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps)
-    m = silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)
+    x = x + aq(out.reshape(T, H * hd)) @ w[f"{p}.attn_output.weight"].T
+    h = aq(rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps))
+    m = aq(silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T))
     return x + m @ w[f"{p}.ffn_down.weight"].T
 
 
-def forward(cfg: ModelConfig, weights: dict[str, np.ndarray], tokens: list[int], loops: int, kv_dtype=np.float32) -> np.ndarray:
+def forward(
+    cfg: ModelConfig,
+    weights: dict[str, np.ndarray],
+    tokens: list[int],
+    loops: int,
+    kv_dtype=np.float32,
+    act_q8: bool = False,
+) -> np.ndarray:
     """Logits (T, vocab) for every position of `tokens` at depth `loops`."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
+    aq = q8_0_roundtrip if act_q8 else (lambda a: a)
     x = w["token_embd.weight"][np.asarray(tokens)]
     for i in range(cfg.prelude_count):
-        x = layer(cfg, w, f"pre.{i}", x, kv_dtype)
+        x = layer(cfg, w, f"pre.{i}", x, kv_dtype, aq)
     for _ in range(loops):
         for j in range(cfg.block_count):
-            x = layer(cfg, w, f"blk.{j}", x, kv_dtype)
-    x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+            x = layer(cfg, w, f"blk.{j}", x, kv_dtype, aq)
+    x = aq(rms_norm(x, w["output_norm.weight"], cfg.rms_eps))
     head = w.get("output.weight", w["token_embd.weight"])
     return x @ head.T
