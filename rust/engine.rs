@@ -63,6 +63,32 @@ impl Engine {
     pub fn config(&self) -> &Config {
         &self.model.cfg
     }
+
+    /// Score `ids` in one pass, reading the head after each loop depth in `depths` (ascending, 1-based): for every
+    /// depth, the log-probability of `ids[i+1]` given `ids[..=i]` and the argmax prediction, for i < len-1.
+    pub fn score(&self, ids: &[u32], depths: &[usize]) -> Result<Vec<(Vec<f32>, Vec<u32>)>> {
+        ensure_arg!(ids.len() >= 2, "scoring needs at least two tokens");
+        ensure_arg!(ids.len() <= self.max_seq_len, "{} tokens exceed max_seq_len {}", ids.len(), self.max_seq_len);
+        ensure_arg!(!depths.is_empty() && depths.windows(2).all(|w| w[0] < w[1]), "depths must be ascending and non-empty");
+        ensure_arg!(depths[0] >= 1 && depths[depths.len() - 1] <= MAX_LOOPS, "depths must be in 1..={MAX_LOOPS}");
+        let mut cache = self.model.new_cache(ids.len());
+        let inputs = &ids[..ids.len() - 1];
+        let targets = candle_core::Tensor::new(&ids[1..], &candle_core::Device::Cpu)?.unsqueeze(1)?;
+        let mut h = self.model.embed(inputs)?;
+        let mut done = 0;
+        let mut out = Vec::with_capacity(depths.len());
+        for &d in depths {
+            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs }];
+            h = self.model.run(h, &mut seqs, done == 0, done..d)?;
+            done = d;
+            let logits = self.model.logits(&h)?;
+            let logp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1)?;
+            let picked = logp.gather(&targets, 1)?.squeeze(1)?.to_vec1::<f32>()?;
+            let argmax = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+            out.push((picked, argmax));
+        }
+        Ok(out)
+    }
 }
 
 /// One request's generation state. Holds the engine through an `Arc` so it can outlive the caller's borrow

@@ -315,6 +315,12 @@ impl Engine {
         Ok(PyBytes::new(py, b))
     }
 
+    /// One pass over `ids`, reading the head after each depth in `depths` (ascending): per depth, a pair
+    /// (log-probability of each next token, argmax prediction at each position), both of length len(ids) - 1.
+    fn score(&self, py: Python<'_>, ids: Vec<u32>, depths: Vec<usize>) -> PyResult<Vec<(Vec<f32>, Vec<u32>)>> {
+        detached(py, || self.inner.score(&ids, &depths))
+    }
+
     /// Generate to the end in Rust with the GIL released.
     #[pyo3(signature = (prompt, params=None, loops=None))]
     fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<Generation> {

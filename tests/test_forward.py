@@ -120,3 +120,17 @@ def test_cache_capacity_and_depth_errors(tiny):
     # Deeper loops were never computed for the earlier tokens: refused, not silently wrong.
     with pytest.raises(tinyloop.EngineError, match="holds 0 positions"):
         seq.feed([4], 3)
+
+
+def test_score_reads_every_depth_in_one_pass(tiny):
+    engine = tinyloop.Engine(tiny.path)
+    depths = [1, 3, 5]
+    scored = engine.score(PROMPT, depths)
+    assert len(scored) == 3
+    for d, (logp, argmax) in zip(depths, scored):
+        want = ref_forward(tiny.cfg, tiny.weights, PROMPT, d)[:-1]
+        want_logp = want - np.log(np.exp(want - want.max(1, keepdims=True)).sum(1, keepdims=True)) - want.max(1, keepdims=True)
+        np.testing.assert_allclose(logp, want_logp[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=1e-3)
+        assert argmax == list(want.argmax(1))
+    with pytest.raises(tinyloop.InvalidRequestError, match="ascending"):
+        engine.score(PROMPT, [3, 1])

@@ -1,0 +1,188 @@
+"""Train the default looped model on the corpus, on this CPU (or a GPU when there is one), within a time budget.
+
+    python training/corpus.py --out data/corpus
+    python training/train.py --data data/corpus --out data/run --minutes 70
+    python training/export.py data/run/model.pt python/tinyloop/models/default.tinyloop
+
+The loop knob is trained on purpose (LayerSkip / Ouro style): each step samples the loop count L and takes the loss
+at several exits through the shared norm and head: loops 1 and 2 (the drafts), L/2 and L. The final exit carries
+most of the weight so that depth keeps paying; the shallow exits are scored on a random eighth of the positions,
+which keeps the 50,257-wide head from dominating the step. The learning rate follows warmup + cosine over the
+*time* budget, so a run always ends annealed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import LoopedLM, TrainConfig  # noqa: E402
+
+EOT = 50256
+
+
+def tokenize(path: Path) -> np.ndarray:
+    """Token ids of a corpus split (cached next to it as .bin)."""
+    cache = path.with_suffix(".bin")
+    if cache.exists() and cache.stat().st_mtime > path.stat().st_mtime:
+        return np.fromfile(cache, dtype=np.uint16)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from tinyloop.vocab import tiktoken_gpt2
+
+    enc = tiktoken_gpt2()
+    ids: list[int] = []
+    for passage in path.read_text().split("\n<|endoftext|>\n"):
+        if passage.strip():
+            ids.extend(enc.encode_ordinary(passage))
+            ids.append(EOT)
+    arr = np.asarray(ids, dtype=np.uint16)
+    arr.tofile(cache)
+    return arr
+
+
+def batches(data: np.ndarray, batch: int, ctx: int, rng: np.random.Generator):
+    while True:
+        starts = rng.integers(0, len(data) - ctx - 1, size=batch)
+        x = np.stack([data[s : s + ctx] for s in starts]).astype(np.int64)
+        y = np.stack([data[s + 1 : s + ctx + 1] for s in starts]).astype(np.int64)
+        yield torch.from_numpy(x), torch.from_numpy(y)
+
+
+def exit_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator) -> torch.Tensor:
+    h, y = h.reshape(-1, h.shape[-1]), y.reshape(-1)
+    if frac < 1.0:
+        keep = torch.randperm(h.shape[0], generator=gen)[: int(h.shape[0] * frac)]
+        h, y = h[keep], y[keep]
+    return F.cross_entropy(model.logits(h).float(), y)
+
+
+@torch.no_grad()
+def evaluate(model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max_tokens: int) -> dict[int, float]:
+    """Held-out perplexity at each depth (non-overlapping windows)."""
+    model.eval()
+    n = min(len(data) - 1, max_tokens) // ctx
+    x = torch.from_numpy(data[: n * ctx].astype(np.int64)).view(n, ctx)
+    y = torch.from_numpy(data[1 : n * ctx + 1].astype(np.int64)).view(n, ctx)
+    totals = {d: 0.0 for d in depths}
+    for i in range(0, n, 8):
+        hs = model.hidden_states(x[i : i + 8], max(depths), set(depths))
+        for d in depths:
+            logits = model.logits(hs[d].float())
+            totals[d] += F.cross_entropy(logits.view(-1, logits.shape[-1]), y[i : i + 8].reshape(-1), reduction="sum").item()
+    model.train()
+    return {d: math.exp(t / (n * ctx)) for d, t in totals.items()}
+
+
+def save(path: Path, cfg: TrainConfig, model: LoopedLM, opt: torch.optim.Optimizer, tokens: int) -> None:
+    torch.save({"cfg": cfg.__dict__, "state": model.state_dict(), "opt": opt.state_dict(), "tokens": tokens}, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=Path("data/corpus"))
+    ap.add_argument("--out", type=Path, default=Path("data/run"))
+    ap.add_argument("--minutes", type=float, default=70.0)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=704)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--loops-min", type=int, default=4)
+    ap.add_argument("--loops-max", type=int, default=10)
+    ap.add_argument("--exit-weights", type=str, default="1:0.1,2:0.2,half:0.2,last:1.0")
+    ap.add_argument("--shallow-frac", type=float, default=0.125)
+    ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
+    ap.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU (fast only with AMX)")
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_flush_denormal(True)  # tiny softmax tails otherwise turn CPU matmuls 10x slower
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # bf16 autocast only where it is fast: on CPUs without AMX / AVX512-BF16 (like these) it is 3x slower than f32.
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or args.cpu_bf16)
+    cfg = TrainConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.heads, ffn_dim=args.ffn,
+                      block_count=args.k, context=args.context)
+    model = LoopedLM(cfg).to(device)
+    resumed = torch.load(args.resume, map_location=device) if args.resume else None
+    if resumed:
+        if resumed["cfg"] != cfg.__dict__:
+            raise SystemExit(f"--resume checkpoint has config {resumed['cfg']}, not {cfg.__dict__}")
+        model.load_state_dict(resumed["state"])
+    train = tokenize(args.data / "train.txt")
+    held = tokenize(args.data / "heldout.txt")
+    print(f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",
+          flush=True)
+    weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    if resumed and "opt" in resumed:
+        opt.load_state_dict(resumed["opt"])
+    prior = resumed.get("tokens", 0) if resumed else 0
+    gen = torch.Generator().manual_seed(args.seed)
+    data = batches(train, args.batch, args.context, np.random.default_rng(args.seed))
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = {"args": vars(args) | {"data": str(args.data), "out": str(args.out)}, "steps": [], "evals": []}
+    budget = args.minutes * 60
+    start = last_eval = time.time()
+    step, tokens, ema = 0, 0, None
+    while (elapsed := time.time() - start) < budget:
+        frac = elapsed / budget
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        L = random.randint(args.loops_min, args.loops_max)
+        exits = {1: float(weights["1"]), 2: float(weights["2"]), max(1, L // 2): float(weights["half"])}
+        exits[L] = float(weights["last"])
+        x, y = (t.to(device) for t in next(data))
+        with amp:
+            hs = model.hidden_states(x, L, set(exits))
+            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen) for d in exits}
+            loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += x.numel()
+        final = losses[L].item()
+        ema = final if ema is None else 0.98 * ema + 0.02 * final
+        log["steps"].append({"step": step, "t": round(elapsed, 1), "L": L, "lr": lr,
+                             **{f"loss@{d}": round(v.item(), 4) for d, v in losses.items()}})
+        if step % 20 == 0:
+            print(f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
+                  f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses[1].item():.3f}  lr {lr:.2e}", flush=True)
+        if time.time() - last_eval > args.eval_every * 60:
+            ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
+            log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
+            print(f"  held-out ppl {ppl}", flush=True)
+            last_eval = time.time()
+            save(args.out / "model.pt", cfg, model, opt, prior + tokens)
+    ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
+    log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
+    log["final"] = {"steps": step, "tokens": tokens, "total_tokens": prior + tokens, "minutes": (time.time() - start) / 60, "ppl": ppl}
+    print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}", flush=True)
+    save(args.out / "model.pt", cfg, model, opt, prior + tokens)
+    (args.out / "log.json").write_text(json.dumps(log))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
