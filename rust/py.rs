@@ -371,5 +371,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("__commit__", env!("TINYLOOP_GIT_COMMIT"))?;
     Ok(())
 }

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 from os import PathLike
 
 __version__: str
+__commit__: str
 
 class TinyloopError(Exception): ...
 class ModelLoadError(TinyloopError): ...

@@ -1,0 +1,163 @@
+"""The FastAPI application: thin routes over serving.py, auth, errors in the API's shape, metrics per request.
+
+`create_app()` reads its configuration from the environment (set by `tinyloop-serve`, or by hand):
+TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY, TINYLOOP_MAX_RUNNING,
+TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .._core import Engine, EngineError, TinyloopError
+from ..errors import APIError, error_body
+from . import serving
+from .config import ServerConfig
+from .metrics import Metrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    LMChatCompletionRequest,
+    LMCompletionRequest,
+)
+from .runner import EngineRunner
+
+log = logging.getLogger("tinyloop.server")
+
+
+class ORJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return orjson.dumps(content)
+
+
+def _error(e: APIError) -> ORJSONResponse:
+    return ORJSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
+    metrics = Metrics()
+    engine = runner = None
+    error = cfg.kv_mode_error()
+    if error is None:
+        try:
+            engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len)
+            runner = EngineRunner(engine, metrics, max_running=cfg.max_running)
+        except TinyloopError as e:
+            error = str(e)
+    if error:
+        log.error("model not loaded: %s", error)
+    state = serving.ServerState(engine=engine, runner=runner, model_id=cfg.served_model_name or str(cfg.model_path),
+                                load_error=error, kv_cache_mode=cfg.kv_cache_mode(), commit=cfg.commit)
+    return state, metrics
+
+
+def create_app(cfg: ServerConfig | None = None) -> FastAPI:
+    cfg = cfg or ServerConfig.from_env()
+    state, metrics = load_state(cfg)
+    app = FastAPI(title="tinyloop", version=serving.__version__, default_response_class=ORJSONResponse)
+    app.state.tinyloop = state
+    started = int(time.time())
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if cfg.api_key and path != "/health":
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {cfg.api_key}":
+                metrics.requests.labels(path, "401").inc()
+                return _error(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                       code="invalid_api_key"))
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body')}: {err.get('msg')}" for err in errors)
+        return _error(APIError(422, f"invalid request: {msg}", param=".".join(loc) or None))
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, e: EngineError):
+        log.exception("engine error")
+        return _error(APIError(500, str(e), code="engine_error"))
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return ORJSONResponse({"status": "error", "reason": f"Engine not loaded: {state.load_error}"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/metrics/json")
+    async def metrics_json():
+        return metrics.snapshot()
+
+    @app.get("/v1/models")
+    @app.get("/api/v0/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": started,
+                                            "owned_by": "tinyloop"}]}
+
+    async def chat(req: ChatCompletionRequest):
+        r = serving.start_chat(state, req)
+        if req.stream:
+            return _sse(serving.chat_stream(state, req, r))
+        await r.complete()
+        return serving.chat_response(state, req, r)
+
+    async def completion(req: CompletionRequest):
+        r = serving.start_completion(state, req)
+        if req.stream:
+            return _sse(serving.completion_stream(state, req, r))
+        await r.complete()
+        return serving.completion_response(state, req, r)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat(req: ChatCompletionRequest):
+        return await chat(req)
+
+    @app.post("/api/v0/chat/completions")
+    async def v0_chat(req: LMChatCompletionRequest):
+        return await chat(req)
+
+    @app.post("/v1/completions")
+    async def v1_completions(req: CompletionRequest):
+        return await completion(req)
+
+    @app.post("/api/v0/completions")
+    async def v0_completions(req: LMCompletionRequest):
+        return await completion(req)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest):
+        r, loops = serving.start_generate(state, req)
+        if req.stream:
+            return _sse(serving.generate_stream(r))
+        await r.complete()
+        return serving.generate_response(r, loops)
+
+    return app

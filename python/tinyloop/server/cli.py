@@ -1,0 +1,62 @@
+"""`tinyloop-serve`: start granian (ASGI, one worker) on the tinyloop FastAPI app.
+
+Every flag has an environment variable; a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import DEFAULT_MODEL
+
+ENV_HELP = """environment variables:
+  TINYLOOP_MODEL_PATH         model file (default: the embedded default model)
+  TINYLOOP_MAX_SEQ_LEN        longest prompt + output, in tokens (default: the model's context length)
+  TINYLOOP_SERVED_MODEL_NAME  id reported by /v1/models (default: the model path)
+  TINYLOOP_API_KEY            require 'Authorization: Bearer <key>' on every route but /health
+  TINYLOOP_MAX_RUNNING        requests generated at once; more wait in a queue (default 16)
+  TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
+                              KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
+                              none -> fp16; this build serves fp16 only and reports any other as a load error
+  TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
+"""
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tinyloop-serve", description=__doc__.split("\n\n")[0],
+                                epilog=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model", default=None, help="model file (else TINYLOOP_MODEL_PATH, else the embedded default)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="else TINYLOOP_MAX_SEQ_LEN, else the model's context")
+    p.add_argument("--served-model-name", default=None, help="else TINYLOOP_SERVED_MODEL_NAME, else the model path")
+    p.add_argument("--api-key", default=None, help="else TINYLOOP_API_KEY; unset means no authentication")
+    p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    for env, value in [("TINYLOOP_MODEL_PATH", args.model), ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
+                       ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name), ("TINYLOOP_API_KEY", args.api_key),
+                       ("TINYLOOP_MAX_RUNNING", args.max_running)]:
+        if value is not None:
+            os.environ[env] = str(value)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = os.environ.get("TINYLOOP_MODEL_PATH") or str(DEFAULT_MODEL)
+    logging.getLogger("tinyloop.server").info("serving %s on http://%s:%d/v1", model, args.host, args.port)
+
+    from granian import Granian
+    from granian.constants import Interfaces
+
+    Granian("tinyloop.server.app:create_app", factory=True, address=args.host, port=args.port,
+            interface=Interfaces.ASGI, workers=1, log_level=args.log_level, log_access=False).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

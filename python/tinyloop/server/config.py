@@ -1,0 +1,64 @@
+"""Server configuration: flags of `tinyloop-serve`, each with an environment variable (flags win)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default.tinyloop"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class ServerConfig:
+    model_path: Path = DEFAULT_MODEL
+    max_seq_len: int | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_running: int = 16
+    kv_int8: bool = False
+    kv_int4: bool = False
+    kv_h_mode: bool = False
+    commit: str | None = None
+
+    @classmethod
+    def from_env(cls) -> ServerConfig:
+        env = os.environ
+        seq = env.get("TINYLOOP_MAX_SEQ_LEN")
+        return cls(
+            model_path=Path(env.get("TINYLOOP_MODEL_PATH") or DEFAULT_MODEL),
+            max_seq_len=int(seq) if seq else None,
+            served_model_name=env.get("TINYLOOP_SERVED_MODEL_NAME") or None,
+            api_key=env.get("TINYLOOP_API_KEY") or None,
+            max_running=int(env.get("TINYLOOP_MAX_RUNNING") or 16),
+            kv_int8=_flag("TINYLOOP_KV_INT8"),
+            kv_int4=_flag("TINYLOOP_KV_INT4"),
+            kv_h_mode=_flag("TINYLOOP_KV_H_MODE"),
+            commit=env.get("TINYLOOP_COMMIT") or _baked_commit(),
+        )
+
+    def kv_cache_mode(self) -> str:
+        """000's env -> mode mapping: INT4 (+ H_MODE) wins over INT8; nothing set is fp16."""
+        if self.kv_int4:
+            return "int4-h" if self.kv_h_mode else "int4"
+        if self.kv_int8:
+            return "int8"
+        return "fp16"
+
+    def kv_mode_error(self) -> str | None:
+        if self.kv_h_mode and not self.kv_int4:
+            return "TINYLOOP_KV_H_MODE=1 needs TINYLOOP_KV_INT4=1 (the Hadamard mode rotates the int4 cache)"
+        if self.kv_cache_mode() != "fp16":
+            return f"KV cache mode {self.kv_cache_mode()!r} is not available in this build yet (only fp16)"
+        return None
+
+
+def _baked_commit() -> str | None:
+    """The git commit the extension was built from (build.rs), if it was built in a checkout."""
+    from .. import _core
+
+    return getattr(_core, "__commit__", "") or None

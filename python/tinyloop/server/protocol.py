@@ -1,0 +1,160 @@
+"""Request and response schemas of the TinyLoop API (shared/seeds/000, docs/api.md).
+
+Pydantic checks shapes and types (a failure is 422); `check()` on each request checks ranges and consistency
+(a failure is 400, naming the parameter), as the contract separates them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import APIError
+
+MAX_TOKENS_LIMIT = 8192
+MAX_N = 8
+
+
+def _range(name: str, value: float | int | None, lo: float, hi: float) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise APIError(400, f"{name} must be between {lo} and {hi}, got {value}", param=name)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class OpenAISampling(_Request):
+    """Fields shared by /v1 chat and completions."""
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    loops: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def resolved_max_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else 128
+
+    def check(self) -> None:
+        _range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _range("max_completion_tokens", self.max_completion_tokens, 1, MAX_TOKENS_LIMIT)
+        _range("temperature", self.temperature, 0.0, 2.0)
+        _range("top_p", self.top_p, 0.0, 1.0)
+        _range("n", self.n, 1, MAX_N)
+        _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _range("loops", self.loops, 1, 64)
+        _range("min_tokens", self.min_tokens, 0, self.resolved_max_tokens())
+        if isinstance(self.stop, list) and len(self.stop) > 8:
+            raise APIError(400, "stop may hold at most 8 strings", param="stop")
+
+
+class LMStudioExtras(BaseModel):
+    """The /api/v0 superset fields."""
+
+    mode: Literal["generate", "speculative", "tree_speculative"] = "generate"
+    draft_loops: int = 2
+    verify_loops: int = 8
+    draft_ahead: int = 4
+    K_branches: int = 1
+    cache_window: int = 0
+    repetition_penalty: float = 1.0
+
+    def check_extras(self) -> None:
+        _range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
+        _range("draft_loops", self.draft_loops, 1, 32)
+        _range("verify_loops", self.verify_loops, 1, 64)
+        _range("draft_ahead", self.draft_ahead, 1, 16)
+        _range("K_branches", self.K_branches, 1, 16)
+        _range("cache_window", self.cache_window, 0, 1 << 20)
+        if self.mode != "generate":
+            raise APIError(400, f"mode {self.mode!r} is not available in this build yet; use mode='generate'", param="mode")
+        if self.cache_window:
+            raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class LMChatCompletionRequest(ChatCompletionRequest, LMStudioExtras):
+    def check(self) -> None:
+        super().check()
+        self.check_extras()
+
+
+class LMCompletionRequest(CompletionRequest, LMStudioExtras):
+    def check(self) -> None:
+        super().check()
+        self.check_extras()
+
+
+class GenerateRequest(_Request):
+    """POST /generate: the native shape with its own defaults."""
+
+    prompt: str | list[int]
+    max_tokens: int = 128
+    loops: int = 8
+    temperature: float = 0.0
+    top_k: int = 50
+    top_p: float = 0.9
+    repetition_penalty: float = 1.0
+    sample_seed: int = 0
+    stream: bool = False
+    stop: str | list[str] | list[int] | None = None
+    cache_window: int = 0
+
+    def check(self) -> None:
+        _range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _range("loops", self.loops, 1, 64)
+        _range("temperature", self.temperature, 0.0, 2.0)
+        _range("top_k", self.top_k, 0, 1000)
+        _range("top_p", self.top_p, 0.0, 1.0)
+        _range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
+        _range("cache_window", self.cache_window, 0, 1 << 20)
+        if self.cache_window:
+            raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

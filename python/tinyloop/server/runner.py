@@ -1,0 +1,102 @@
+"""The engine loop: one thread steps every running request in turn, one token each, and hands step events to the
+asyncio side. The event loop never touches the model; a cancelled request is dropped at its next turn.
+
+Requests beyond `max_running` wait in FIFO order. Each running request owns its own KV cache (in its TokenStream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream
+from .metrics import Metrics
+
+
+@dataclass
+class Job:
+    stream: TokenStream
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def events(self):
+        """Step events until the finishing one; an engine failure is raised here."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_running = max_running
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams, loops: int | None) -> Job:
+        """Queue a generation. Raises the engine's typed errors (bad arguments, context length) at once."""
+        stream = self.engine.stream(prompt, params, loops)
+        job = Job(stream=stream, loop=asyncio.get_running_loop())
+        with self._cv:
+            self._waiting.append(job)
+            self.metrics.requests_waiting.set(len(self._waiting))
+            self._cv.notify()
+        return job
+
+    def _update_gauges(self) -> None:
+        """Called from the engine thread only (it owns `_running`)."""
+        self.metrics.requests_running.set(len(self._running))
+        self.metrics.requests_waiting.set(len(self._waiting))
+        self.metrics.kv_cache_bytes.set(sum(j.stream.kv_bytes for j in self._running))
+
+    def _deliver(self, job: Job, item: StepEvent | BaseException) -> None:
+        job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._running and not self._waiting:
+                    self._cv.wait()
+                while self._waiting and len(self._running) < self.max_running:
+                    self._running.append(self._waiting.popleft())
+            for job in list(self._running):
+                if job.cancelled:
+                    self._running.remove(job)
+                    continue
+                try:
+                    event = next(job.stream)
+                except TinyloopError as e:
+                    self._running.remove(job)
+                    self._deliver(job, e)
+                    continue
+                now = time.perf_counter()
+                if event.token_id >= 0:
+                    if job.first_token is None:
+                        job.first_token = now
+                        self.metrics.ttft.observe(now - job.submitted)
+                    else:
+                        self.metrics.itl.observe(now - (job.last_token or now))
+                    job.last_token = now
+                    self.metrics.generation_tokens.inc()
+                if event.finish_reason is not None:
+                    self._running.remove(job)
+                self._deliver(job, event)
+            self._update_gauges()

@@ -1,0 +1,313 @@
+"""Endpoint logic: request schema -> prompts and sampling params -> ChoiceRuns -> response body or SSE events.
+
+OpenAI / LM Studio field names live here and in protocol.py only; the engine sees ids and SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .. import __version__
+from .._core import ContextLengthError, Engine, InvalidRequestError, SamplingParams
+from ..errors import APIError
+from .generation import ChoiceRun
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    LMStudioExtras,
+    OpenAISampling,
+    usage,
+)
+from .runner import EngineRunner
+
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+# A raw LM keeps writing the conversation; these end the assistant's turn unless the request gives its own `stop`.
+CHAT_DEFAULT_STOP = ["\nUser:", "\nSystem:", "\nAssistant:"]
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """The "Role: content" template: one line per message, then the opened assistant turn."""
+    return "".join(f"{ROLE_NAMES[m.role]}: {m.text()}\n" for m in messages) + "Assistant:"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ServerState:
+    engine: Engine | None
+    runner: EngineRunner | None
+    model_id: str
+    load_error: str | None
+    kv_cache_mode: str
+    commit: str | None
+
+    def require_engine(self) -> tuple[Engine, EngineRunner]:
+        if self.engine is None or self.runner is None:
+            raise APIError(503, f"Engine not loaded: {self.load_error}", code="engine_not_loaded")
+        return self.engine, self.runner
+
+    def model_info(self) -> dict[str, Any]:
+        engine, _ = self.require_engine()
+        i = engine.info
+        return {"arch": "weight-shared-looped-transformer", "dim": i.dim, "n_heads": i.n_heads, "ffn_dim": i.ffn_dim,
+                "vocab_size": i.vocab_size, "default_loops": i.default_loops, "quant": i.quant,
+                "kv_cache_mode": self.kv_cache_mode}
+
+    def runtime(self) -> dict[str, Any]:
+        return {"name": "tinyloop", "version": __version__, "commit": self.commit}
+
+
+class Request:
+    """One API request in flight: its prompts, choices and timing."""
+
+    def __init__(self, state: ServerState, prompts: list[list[int]], n: int, params: list[SamplingParams],
+                 loops: int | None, stop: list[str], lstrip: bool):
+        self.state = state
+        self.started = time.perf_counter()
+        self.prompts = prompts
+        engine, runner = state.require_engine()
+        limit = engine.info.max_seq_len
+        max_tokens = params[0].max_tokens
+        for p in prompts:
+            if not p:
+                raise APIError(400, "prompt must contain at least one token", param="prompt")
+            if len(p) + max_tokens > limit:
+                raise APIError(400, f"prompt has {len(p)} tokens and max_tokens is {max_tokens}: "
+                               f"{len(p) + max_tokens} exceeds the maximum sequence length {limit}",
+                               param="max_tokens", code="context_length_exceeded")
+        self.choices: list[ChoiceRun] = []
+        try:
+            for p in prompts:
+                for i in range(n):
+                    self.choices.append(ChoiceRun(runner, p, params[i], loops, stop, lstrip))
+        except (InvalidRequestError, ContextLengthError) as e:
+            self.cancel()
+            raise APIError(400, str(e)) from e
+        state_metrics = runner.metrics
+        state_metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.cancel()
+
+    async def complete(self) -> None:
+        try:
+            await asyncio.gather(*(c.run() for c in self.choices))
+        finally:
+            self.cancel()
+
+    async def merged_deltas(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, delta, finish) from all choices as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, c: ChoiceRun) -> None:
+            try:
+                async for delta, finish in c.deltas():
+                    await queue.put((i, delta, finish))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer, which re-raises
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(self.choices)]
+        try:
+            finished = 0
+            while finished < len(tasks):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item[2] is not None:
+                    finished += 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.cancel()
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(len(p) for p in self.prompts), sum(len(c.tokens) for c in self.choices))
+
+    def stats(self, mode: str, loops_used: int) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started
+        completion = sum(len(c.tokens) for c in self.choices)
+        firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        ttft = (min(firsts) - self.started) if firsts else None
+        reason = self.choices[0].finish_reason if self.choices else None
+        return {"wall_ms": round(wall * 1000, 3), "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
+                "prompt_tokens": sum(len(p) for p in self.prompts), "completion_tokens": completion, "mode": mode,
+                "loops_used": loops_used, "time_to_first_token": round(ttft, 6) if ttft is not None else None,
+                "generation_time": round(wall - (ttft or 0.0), 6),
+                "stop_reason": {"stop": "eosFound", "length": "maxPredictedTokensReached"}.get(reason or "", reason)}
+
+
+def _openai_params(req: OpenAISampling, repetition_penalty: float = 1.0) -> list[SamplingParams]:
+    """One SamplingParams per sample; with a seed, sample i uses seed + i so the n samples differ."""
+    return [SamplingParams(temperature=req.temperature, top_p=req.top_p, presence_penalty=req.presence_penalty,
+                           frequency_penalty=req.frequency_penalty, repetition_penalty=repetition_penalty,
+                           seed=None if req.seed is None else req.seed + i, max_tokens=req.resolved_max_tokens(),
+                           min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+            for i in range(req.n)]
+
+
+def _stops(stop: str | list[str] | None, default: list[str]) -> list[str]:
+    if stop is None:
+        return list(default)
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _loops_used(engine: Engine, req_loops: int | None) -> int:
+    return req_loops if req_loops is not None else engine.info.default_loops
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def _extras(req: OpenAISampling) -> tuple[float, bool]:
+    if isinstance(req, LMStudioExtras):
+        return req.repetition_penalty, True
+    return 1.0, False
+
+
+def start_chat(state: ServerState, req: ChatCompletionRequest) -> Request:
+    req.check()
+    engine, _ = state.require_engine()
+    prompt = engine.encode(render_chat(req.messages))
+    rep, _ = _extras(req)
+    return Request(state, [prompt], req.n, _openai_params(req, rep), req.loops, _stops(req.stop, CHAT_DEFAULT_STOP), True)
+
+
+def start_completion(state: ServerState, req: CompletionRequest) -> Request:
+    req.check()
+    engine, _ = state.require_engine()
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [engine.encode(p)]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    else:
+        prompts = [engine.encode(x) for x in p]  # type: ignore[arg-type]
+    if not prompts:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+    rep, _ = _extras(req)
+    return Request(state, prompts, req.n, _openai_params(req, rep), req.loops, _stops(req.stop, []), False)
+
+
+def chat_response(state: ServerState, req: ChatCompletionRequest, r: Request) -> dict[str, Any]:
+    body = {"id": _new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": req.model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(r.choices)],
+            "usage": r.usage()}
+    return _with_lm_sections(state, req, r, body)
+
+
+def completion_response(state: ServerState, req: CompletionRequest, r: Request) -> dict[str, Any]:
+    body = {"id": _new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": req.model,
+            "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(r.choices)],
+            "usage": r.usage()}
+    return _with_lm_sections(state, req, r, body)
+
+
+def _with_lm_sections(state: ServerState, req: OpenAISampling, r: Request, body: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(req, LMStudioExtras):
+        engine, _ = state.require_engine()
+        body["stats"] = r.stats(req.mode, _loops_used(engine, req.loops))
+        body["model_info"] = state.model_info()
+        body["runtime"] = state.runtime()
+    return body
+
+
+async def chat_stream(state: ServerState, req: ChatCompletionRequest, r: Request) -> AsyncIterator[bytes]:
+    base = {"id": _new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model}
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(i: int, delta: dict[str, Any], finish: str | None) -> bytes:
+        c = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish}]}
+        if with_usage:
+            c["usage"] = None
+        return sse(c)
+
+    for i in range(len(r.choices)):
+        yield chunk(i, {"role": "assistant"}, None)
+    async for i, delta, finish in r.merged_deltas():
+        if delta:
+            yield chunk(i, {"content": delta}, None)
+        if finish is not None:
+            yield chunk(i, {}, finish)
+    if with_usage:
+        yield sse({**base, "choices": [], "usage": r.usage()})
+    yield SSE_DONE
+
+
+async def completion_stream(state: ServerState, req: CompletionRequest, r: Request) -> AsyncIterator[bytes]:
+    base = {"id": _new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": req.model}
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(i: int, text: str, finish: str | None) -> bytes:
+        c = {**base, "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}]}
+        if with_usage:
+            c["usage"] = None
+        return sse(c)
+
+    async for i, delta, finish in r.merged_deltas():
+        if delta:
+            yield chunk(i, delta, None)
+        if finish is not None:
+            yield chunk(i, "", finish)
+    if with_usage:
+        yield sse({**base, "choices": [], "usage": r.usage()})
+    yield SSE_DONE
+
+
+def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, int]:
+    req.check()
+    engine, _ = state.require_engine()
+    prompt = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    stop_ids: list[int] = []
+    stop_text: list[str] = []
+    if isinstance(req.stop, str):
+        stop_text = [req.stop]
+    elif req.stop:
+        for s in req.stop:
+            (stop_ids if isinstance(s, int) else stop_text).append(s)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                            repetition_penalty=req.repetition_penalty, seed=req.sample_seed,
+                            max_tokens=req.max_tokens, stop_token_ids=stop_ids)
+    return Request(state, [prompt], 1, [params], req.loops, stop_text, False), req.loops
+
+
+def generate_response(r: Request, loops: int) -> dict[str, Any]:
+    c = r.choices[0]
+    return {"tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason, "stats": r.stats("generate", loops)}
+
+
+async def generate_stream(r: Request) -> AsyncIterator[bytes]:
+    """Native SSE: one event per token with its text delta, then the token_id -1 tail event, then [DONE]."""
+    c = r.choices[0]
+    seen = 0
+    async for _, delta, finish in r.merged_deltas():
+        new = c.tokens[seen:]
+        seen = len(c.tokens)
+        for k, t in enumerate(new):
+            yield sse({"token_id": t, "text": delta if k == len(new) - 1 else ""})
+        if new:
+            delta = ""
+        if finish is not None:
+            yield sse({"token_id": -1, "text": delta})
+            break
+    yield SSE_DONE

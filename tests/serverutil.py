@@ -1,0 +1,49 @@
+"""Start the real `tinyloop-serve` process on a free port and wait until it answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = None, expect_health: int = 200):
+    port = free_port()
+    cmd = [sys.executable, "-m", "tinyloop.server.cli", "--model", str(model), "--port", str(port), *extra]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TINYLOOP_")} | (env or {})
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read().decode() if proc.stdout else ''}")
+            try:
+                r = httpx.get(f"{base}/health", timeout=1.0)
+                if r.status_code == expect_health:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not become ready in 60 s")
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

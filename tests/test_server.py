@@ -1,0 +1,257 @@
+"""End to end: the real `tinyloop-serve` process, driven by the official openai SDK and by httpx for exact bytes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import tinyloop
+from tinyloop import SamplingParams
+
+from serverutil import running_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with running_server(tiny.path, "--served-model-name", "tiny") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def greedy(engine, prompt, n=16, loops=None):
+    return engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n), loops=loops)
+
+
+def sse_events(raw: bytes) -> list:
+    assert raw.endswith(b"data: [DONE]\n\n")
+    parts = raw.decode().split("\n\n")
+    assert parts[-1] == "" and parts[-2] == "data: [DONE]"
+    return [json.loads(p[len("data: "):]) for p in parts[:-2]]
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].owned_by == "tinyloop" and models.data[0].object == "model"
+
+
+def test_completion_matches_the_engine(client, tiny_engine):
+    want = greedy(tiny_engine, "The capital of France", 16)
+    out = client.completions.create(model="x", prompt="The capital of France", max_tokens=16, temperature=0)
+    assert out.object == "text_completion" and out.model == "x"
+    assert out.choices[0].text == want.text
+    assert out.choices[0].finish_reason == want.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        want.prompt_tokens, 16, want.prompt_tokens + 16)
+
+
+def test_chat_uses_the_documented_template(client, tiny_engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = greedy(tiny_engine, "System: Be brief.\nUser: Hello\nAssistant:", 12)
+    out = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, stop=[])
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want.text.lstrip()
+    assert out.usage.prompt_tokens == want.prompt_tokens
+
+
+def test_chat_stream_bytes(server, client):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0,
+            "stream": True, "stop": []}
+    raw = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).content
+    events = sse_events(raw)
+    assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
+    assert events[-1]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    content = [e["choices"][0]["delta"]["content"] for e in events[1:-1]]
+    assert all(content)  # empty deltas are dropped
+    full = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=10, temperature=0, stop=[])
+    assert "".join(content) == full.choices[0].message.content
+    assert b'"object":"chat.completion.chunk"' in raw  # compact JSON, as in the contract's examples
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_streamed_text_equals_non_streamed_and_never_splits_characters(client, seed):
+    kw = dict(model="m", prompt="日本語 and emoji 👍🏽 text:", max_tokens=40, temperature=1.0, seed=seed)
+    full = client.completions.create(**kw).choices[0].text
+    deltas = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(deltas) == full
+    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in full
+
+
+def test_stream_include_usage(client):
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_samples_and_seed(client):
+    kw = dict(model="m", prompt="Once", max_tokens=12, temperature=1.0, seed=7, n=4)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    assert a.usage.completion_tokens == 48
+
+
+def test_exact_stop_strings(client, server):
+    free = client.completions.create(model="m", prompt="Stop test", max_tokens=30, temperature=0).choices[0].text
+    stop = free[10:14]
+    assert len(stop) == 4 and stop in free
+    out = client.completions.create(model="m", prompt="Stop test", max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    assert out.choices[0].text == free[: free.index(stop)] and out.choices[0].finish_reason == "stop"
+    body = {"model": "m", "prompt": "Stop test", "max_tokens": 30, "temperature": 0, "stop": stop, "stream": True}
+    events = sse_events(httpx.post(f"{server}/v1/completions", json=body, timeout=60).content)
+    texts = [e["choices"][0]["text"] for e in events]
+    assert "".join(texts) == free[: free.index(stop)] and all(stop not in t for t in texts)
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_prompt_array_answers_every_prompt(client, tiny_engine):
+    out = client.completions.create(model="m", prompt=["one", "two words", "three"], max_tokens=6, temperature=0)
+    assert [c.text for c in out.choices] == [greedy(tiny_engine, p, 6).text for p in ["one", "two words", "three"]]
+    assert out.usage.prompt_tokens == sum(len(tiny_engine.encode(p)) for p in ["one", "two words", "three"])
+
+
+def test_penalties_change_output(client):
+    kw = dict(model="m", prompt="a a a a", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **kw).choices[0].text
+    assert plain != penalised
+
+
+@pytest.mark.parametrize("field,value,param", [("temperature", 2.5, "temperature"), ("n", 9, "n"),
+                                               ("top_p", 1.5, "top_p"), ("max_tokens", 0, "max_tokens"),
+                                               ("presence_penalty", -3, "presence_penalty"), ("loops", 65, "loops")])
+def test_out_of_range_is_400(client, field, value, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x", **{field: value})
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and str(value) in e.value.body["message"]
+
+
+def test_context_overflow_names_both_numbers(client, tiny_engine):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="hello " * 100, max_tokens=200)
+    n = len(tiny_engine.encode("hello " * 100))
+    assert f"prompt has {n} tokens and max_tokens is 200" in e.value.message and "256" in e.value.message
+
+
+def test_schema_errors_are_422_in_openai_shape(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "m"}, timeout=10)
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "messages" in err["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": "many"}, timeout=10)
+    assert r.status_code == 422 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_api_v0_sections(server, tiny):
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "repetition_penalty": 1.3}
+    r = httpx.post(f"{server}/api/v0/completions", json=body, timeout=60).json()
+    s = r["stats"]
+    assert (s["prompt_tokens"], s["completion_tokens"], s["mode"], s["loops_used"]) == (1, 8, "generate", 3)
+    assert s["wall_ms"] > 0 and s["tokens_per_second"] > 0 and s["stop_reason"] == "maxPredictedTokensReached"
+    assert 0 < s["time_to_first_token"] * 1000 <= s["wall_ms"]
+    assert r["model_info"] == {"arch": "weight-shared-looped-transformer", "dim": 64, "n_heads": 4, "ffn_dim": 96,
+                               "vocab_size": 50257, "default_loops": 3, "quant": "fp16", "kv_cache_mode": "fp16"}
+    assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
+    plain = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert "stats" not in plain and plain["choices"][0]["text"] != r["choices"][0]["text"]  # penalty honoured on v0
+    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "speculative",
+                                                              "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+
+
+def test_native_generate(server, tiny_engine):
+    r = httpx.post(f"{server}/generate", json={"prompt": "Hello there", "max_tokens": 10}, timeout=60).json()
+    # Native defaults: temperature 0 (greedy), loops 8.
+    want = greedy(tiny_engine, "Hello there", 10, loops=8)
+    assert r["tokens"] == want.tokens and r["text"] == want.text and r["finish_reason"] == "length"
+    assert r["stats"]["loops_used"] == 8 and r["stats"]["mode"] == "generate"
+    ids = tiny_engine.encode("Hello there")
+    by_ids = httpx.post(f"{server}/generate", json={"prompt": ids, "max_tokens": 10}, timeout=60).json()
+    assert by_ids["tokens"] == want.tokens
+    stop_id = want.tokens[3]
+    r = httpx.post(f"{server}/generate", json={"prompt": ids, "max_tokens": 10, "stop": [stop_id]}, timeout=60).json()
+    assert r["tokens"] == want.tokens[: want.tokens.index(stop_id)] and r["finish_reason"] == "stop"
+
+
+def test_native_stream(server, tiny_engine):
+    raw = httpx.post(f"{server}/generate", json={"prompt": "Hello there", "max_tokens": 10, "stream": True},
+                     timeout=60).content
+    events = sse_events(raw)
+    want = greedy(tiny_engine, "Hello there", 10, loops=8)
+    assert [e["token_id"] for e in events[:-1]] == want.tokens and events[-1]["token_id"] == -1
+    assert "".join(e["text"] for e in events) == want.text
+
+
+def test_health_answers_while_streaming(server):
+    body = {"prompt": "x", "max_tokens": 200, "stream": True, "loops": 16}
+    latencies = []
+    with httpx.stream("POST", f"{server}/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)
+        for _ in range(5):
+            t = time.perf_counter()
+            assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok"}
+            latencies.append(time.perf_counter() - t)
+        still_streaming = any(line.startswith("data: {") for line in lines)
+    assert still_streaming
+    assert sorted(latencies)[2] < 0.05, latencies
+
+
+def gauge(server, name):
+    return httpx.get(f"{server}/metrics/json", timeout=5).json()[name]
+
+
+def test_disconnect_cancels_the_generation(server, client):
+    body = {"prompt": "x", "max_tokens": 2000, "stream": True, "loops": 8}
+    with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert gauge(server, "tinyloop_requests_running") == 1
+    deadline = time.time() + 10
+    while gauge(server, "tinyloop_requests_running") != 0:
+        assert time.time() < deadline, "generation kept running after the client left"
+        time.sleep(0.05)
+    assert client.completions.create(model="m", prompt="next", max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_concurrent_requests_each_get_their_own_output(client, tiny_engine):
+    prompts = [f"prompt number {i}" for i in range(6)]
+    results: dict[str, str] = {}
+
+    def call(p):
+        results[p] = client.completions.create(model="m", prompt=p, max_tokens=12, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {p: greedy(tiny_engine, p, 12).text for p in prompts}
+
+
+def test_metrics(server):
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    for name in ["tinyloop_requests_total", "tinyloop_prompt_tokens_total", "tinyloop_generation_tokens_total",
+                 "tinyloop_time_to_first_token_seconds_bucket", "tinyloop_inter_token_latency_seconds_bucket",
+                 "tinyloop_requests_running", "tinyloop_requests_waiting", "tinyloop_kv_cache_bytes"]:
+        assert name in text
+    assert 'tinyloop_requests_total{endpoint="/v1/completions",status="200"}' in text
+    snap = httpx.get(f"{server}/metrics/json", timeout=5).json()
+    assert snap["tinyloop_generation_tokens_total"] > 0
+    assert any(s["labels"] == {"endpoint": "/v1/completions", "status": "400"} for s in snap["tinyloop_requests_total"])
