@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,13 +25,19 @@ def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = 
     port = free_port()
     cmd = [sys.executable, "-m", "tinyloop.server.cli", "--model", str(model), "--port", str(port), *extra]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TINYLOOP_")} | (env or {})
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+
+    def output() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
     try:
         deadline = time.time() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read().decode() if proc.stdout else ''}")
+                raise RuntimeError(f"server exited: {output()}")
             try:
                 r = httpx.get(f"{base}/health", timeout=1.0)
                 if r.status_code == expect_health:
@@ -38,7 +45,7 @@ def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = 
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError("server did not become ready in 60 s")
+                raise RuntimeError(f"server did not become ready in 60 s: {output()}")
             time.sleep(0.1)
         yield base
     finally:
@@ -47,3 +54,5 @@ def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = 
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        log.close()
