@@ -50,3 +50,32 @@ def tiny_engine(tiny):
     import tinyloop
 
     return tinyloop.Engine(tiny.path)
+
+
+CYCLE_TEXT = "X日本語👍🏽é\u0301"  # every token distinct; 13 of its 15 tokens are partial UTF-8
+
+
+@pytest.fixture(scope="session")
+def cycle_model(tmp_path_factory):
+    """A model whose greedy output is CYCLE_TEXT's tokens in order, from a prompt of its first token.
+
+    Its layers write nothing (attn_output and ffn_down are zero), so the head reads the current token's embedding;
+    token i of the text is embedded as unit vector i and the head maps unit vector i to token i + 1.
+    """
+    from tinyloop.vocab import tiktoken_gpt2
+
+    ids = tiktoken_gpt2().encode_ordinary(CYCLE_TEXT)
+    assert len(set(ids)) == len(ids) <= TINY_NOPRE.dim
+    w = random_weights(TINY_NOPRE, seed=9, scale=0.01)
+    for j in range(TINY_NOPRE.block_count):
+        w[f"blk.{j}.attn_output.weight"][:] = 0.0
+        w[f"blk.{j}.ffn_down.weight"][:] = 0.0
+    w["output_norm.weight"][:] = 1.0
+    w["output.weight"][:] = 0.0
+    for i, t in enumerate(ids):
+        w["token_embd.weight"][t] = 0.0
+        w["token_embd.weight"][t, i] = 1.0
+        w["output.weight"][ids[(i + 1) % len(ids)], i] = 10.0
+    path = tmp_path_factory.mktemp("models") / "cycle.tinyloop"
+    write_model(path, TINY_NOPRE, w)
+    return path, ids

@@ -261,3 +261,32 @@ def test_metrics(server):
     snap = httpx.get(f"{server}/metrics/json", timeout=5).json()
     assert snap["tinyloop_generation_tokens_total"] > 0
     assert any(s["labels"] == {"endpoint": "/v1/completions", "status": "400"} for s in snap["tinyloop_requests_total"])
+
+
+def test_streamed_characters_spanning_tokens(cycle_model, tiny_engine):
+    from conftest import CYCLE_TEXT
+
+    path, ids = cycle_model
+    pieces = [tiny_engine.token_bytes(t) for t in ids]
+    split = [p for p in pieces if not _is_utf8(p)]
+    assert len(split) >= 4  # emoji, CJK and the combining mark really are cut across tokens
+    with running_server(path) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
+        kw = dict(model="m", prompt=ids[:1], max_tokens=len(ids) - 1, temperature=0)
+        full = c.completions.create(**kw).choices[0].text
+        assert full == CYCLE_TEXT[1:]
+        deltas = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices]
+        assert "".join(deltas) == full
+        assert all(d and "\ufffd" not in d for d in deltas[:-1])
+        native = sse_events(httpx.post(f"{base}/generate", json={"prompt": ids[:1], "max_tokens": len(ids) - 1, "stream": True},
+                                       timeout=30).content)
+        assert [e["token_id"] for e in native[:-1]] == ids[1:]
+        assert "".join(e["text"] for e in native) == full and all("\ufffd" not in e["text"] for e in native)
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
