@@ -1,6 +1,7 @@
 //! Plain generation: prefill the prompt, then one token per step at a fixed loop depth.
 //! `Generator` is the per-request state machine; `generate` drives it to the end, `step` lets a caller stream.
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use crate::kv::KvCache;
 use crate::loader::{self, Config, MAX_LOOPS};
 use crate::model::{LogitRows, Model, SeqChunk};
 use crate::sampler::{Sampler, SamplingParams};
+pub use crate::spec::{DraftStats, SpecConfig};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,14 +96,21 @@ impl Engine {
 /// One request's generation state. Holds the engine through an `Arc` so it can outlive the caller's borrow
 /// (the Python stream object owns one).
 pub struct Generator {
-    engine: Arc<Engine>,
-    cache: KvCache,
-    sampler: Sampler,
-    loops: usize,
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) cache: KvCache,
+    pub(crate) sampler: Sampler,
+    /// Depth of every emitted token (verify_loops when drafting).
+    pub(crate) loops: usize,
     prompt: Vec<u32>,
-    /// Tokens fed to the model so far (prompt + emitted output).
-    pos: usize,
-    pending: Option<u32>,
+    /// Positions whose K/V are complete at every loop (prompt + fed output).
+    pub(crate) pos: usize,
+    /// The last emitted token, not yet fed to the model.
+    pub(crate) pending: Option<u32>,
+    /// Self-speculative drafting, when on (rust/spec.rs).
+    pub(crate) spec: Option<SpecConfig>,
+    /// Steps a speculative round verified, not yet handed out.
+    pub(crate) ready: VecDeque<Step>,
+    pub draft: DraftStats,
     pub output: Vec<u32>,
     pub finish: Option<FinishReason>,
 }
@@ -122,7 +131,20 @@ impl Generator {
         let sampler = Sampler::new(params, &prompt, vocab, engine.tokenizer.eos_token_id)?;
         // Capacity `needed` leaves one spare position: the last output token is never fed back.
         let cache = engine.model.new_cache(needed);
-        Ok(Self { engine, cache, sampler, loops, prompt, pos: 0, pending: None, output: Vec::new(), finish: None })
+        Ok(Self {
+            engine,
+            cache,
+            sampler,
+            loops,
+            prompt,
+            pos: 0,
+            pending: None,
+            spec: None,
+            ready: VecDeque::new(),
+            draft: DraftStats::default(),
+            output: Vec::new(),
+            finish: None,
+        })
     }
 
     pub fn prompt_len(&self) -> usize {
@@ -135,8 +157,15 @@ impl Generator {
 
     /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
     pub fn step(&mut self) -> Result<Step> {
+        if let Some(step) = self.ready.pop_front() {
+            return Ok(step);
+        }
         if let Some(f) = self.finish {
             return Ok(Step { token: None, finish: Some(f) });
+        }
+        if let (Some(cfg), Some(_)) = (self.spec, self.pending) {
+            self.speculative_round(cfg)?;
+            return self.ready.pop_front().ok_or_else(|| Error::Internal("a speculative round emitted nothing".into()));
         }
         let feed: Vec<u32> = match self.pending.take() {
             Some(t) => vec![t],
@@ -147,9 +176,15 @@ impl Generator {
         self.pos += feed.len();
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
         let token = self.sampler.sample(&mut logits);
+        Ok(self.emit(token))
+    }
+
+    /// Hand out a token the target depth chose: a stop token ends the sequence (and is not output), otherwise it
+    /// is output, and becomes the next token to feed unless `max_tokens` is reached.
+    pub(crate) fn emit(&mut self, token: u32) -> Step {
         if self.sampler.is_stop(token) {
             self.finish = Some(FinishReason::Stop);
-            return Ok(Step { token: None, finish: self.finish });
+            return Step { token: None, finish: self.finish };
         }
         self.sampler.accept(token);
         self.output.push(token);
@@ -158,7 +193,7 @@ impl Generator {
         } else {
             self.pending = Some(token);
         }
-        Ok(Step { token: Some(token), finish: self.finish })
+        Step { token: Some(token), finish: self.finish }
     }
 
     /// Run to the end; returns the finish reason.

@@ -10,6 +10,7 @@ pub mod kv;
 pub mod loader;
 pub mod model;
 pub mod sampler;
+pub mod spec;
 pub mod tokenizer;
 
 #[cfg(feature = "python")]

@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::kv::KvCache;
 use crate::model::{LogitRows, SeqChunk};
 use crate::sampler::SamplingParams as RsParams;
+use crate::spec::SpecConfig;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
 create_exception!(_core, ModelLoadError, TinyloopError, "The model file is missing, not GGUF, or not a valid tinyloop model.");
@@ -137,7 +138,7 @@ impl ModelInfo {
     }
 }
 
-/// Result of `Engine.generate`.
+/// Result of `Engine.generate`. The draft counters are 0 unless the generation was speculative.
 #[pyclass(frozen, get_all, module = "tinyloop._core")]
 struct Generation {
     tokens: Vec<u32>,
@@ -145,6 +146,9 @@ struct Generation {
     finish_reason: String,
     prompt_tokens: usize,
     completion_tokens: usize,
+    draft_rounds: usize,
+    draft_proposed: usize,
+    draft_accepted: usize,
 }
 
 /// One streamed step: a token (`token_id` >= 0, with its bytes) and/or the end (`finish_reason`).
@@ -196,6 +200,13 @@ impl TokenStream {
     #[getter]
     fn kv_bytes(&self) -> usize {
         self.generator.kv_bytes()
+    }
+
+    /// (rounds, proposed, accepted) draft tokens so far; zeros unless speculative.
+    #[getter]
+    fn draft_stats(&self) -> (usize, usize, usize) {
+        let d = self.generator.draft;
+        (d.rounds, d.proposed, d.accepted)
     }
 }
 
@@ -252,10 +263,15 @@ impl Engine {
         }
     }
 
-    fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<Generator> {
+    fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
+                 draft: Option<(usize, usize)>) -> PyResult<Generator> {
         let ids = self.prompt_ids(py, prompt)?;
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
-        Generator::new(self.inner.clone(), ids, params, loops).map_err(to_py)
+        let g = Generator::new(self.inner.clone(), ids, params, loops).map_err(to_py)?;
+        match draft {
+            Some((draft_loops, draft_ahead)) => g.with_speculation(SpecConfig { draft_loops, draft_ahead }).map_err(to_py),
+            None => Ok(g),
+        }
     }
 }
 
@@ -321,10 +337,12 @@ impl Engine {
         detached(py, || self.inner.score(&ids, &depths))
     }
 
-    /// Generate to the end in Rust with the GIL released.
-    #[pyo3(signature = (prompt, params=None, loops=None))]
-    fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<Generation> {
-        let mut g = self.generator(py, prompt, params, loops)?;
+    /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
+    /// self-speculative decoding with `loops` as the verify depth (greedy only).
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None))]
+    fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
+                draft: Option<(usize, usize)>) -> PyResult<Generation> {
+        let mut g = self.generator(py, prompt, params, loops, draft)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = detached(py, || {
             let finish = g.run()?;
@@ -333,16 +351,21 @@ impl Engine {
         Ok(Generation {
             completion_tokens: g.output.len(),
             prompt_tokens: g.prompt_len(),
+            draft_rounds: g.draft.rounds,
+            draft_proposed: g.draft.proposed,
+            draft_accepted: g.draft.accepted,
             tokens: g.output,
             text,
             finish_reason: finish.as_str().to_string(),
         })
     }
 
-    /// An iterator of `StepEvent`s, one model step per `next()` (GIL released during the step).
-    #[pyo3(signature = (prompt, params=None, loops=None))]
-    fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>) -> PyResult<TokenStream> {
-        let generator = self.generator(py, prompt, params, loops)?;
+    /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
+    /// a speculative round runs when no verified token is waiting.
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None))]
+    fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
+              draft: Option<(usize, usize)>) -> PyResult<TokenStream> {
+        let generator = self.generator(py, prompt, params, loops, draft)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
 

@@ -77,6 +77,9 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    draft_rounds: int
+    draft_proposed: int
+    draft_accepted: int
 
 class StepEvent:
     token_id: int
@@ -90,6 +93,8 @@ class TokenStream(Iterator[StepEvent]):
     def prompt_tokens(self) -> int: ...
     @property
     def kv_bytes(self) -> int: ...
+    @property
+    def draft_stats(self) -> tuple[int, int, int]: ...
 
 class Sequence:
     def feed(self, ids: list[int], loops: int) -> bytes: ...
@@ -111,9 +116,17 @@ class Engine:
     def token_bytes(self, id: int) -> bytes: ...
     def score(self, ids: list[int], depths: list[int]) -> list[tuple[list[float], list[int]]]: ...
     def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, loops: int | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        loops: int | None = None,
+        draft: tuple[int, int] | None = None,
     ) -> Generation: ...
     def stream(
-        self, prompt: str | list[int], params: SamplingParams | None = None, loops: int | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        loops: int | None = None,
+        draft: tuple[int, int] | None = None,
     ) -> TokenStream: ...
     def sequence(self, capacity: int | None = None) -> Sequence: ...

@@ -1,0 +1,62 @@
+"""Plot a training run's loss curves (per exit depth) and held-out evaluations from its log.json.
+
+    python training/plot_curves.py data/run/log.json docs/model_training.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(log_path: str, out: str) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    log = json.loads(Path(log_path).read_text())
+    steps = log["steps"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    t = np.array([s["t"] / 60 for s in steps])
+    for key, label in [("loss@1", "exit 1"), ("loss@2", "exit 2")]:
+        y = np.array([s.get(key, np.nan) for s in steps], dtype=float)
+        a.plot(t, _smooth(y), label=label)
+    final = np.array([s[f"loss@{s['L']}"] for s in steps], dtype=float)
+    a.plot(t, _smooth(final), label="final exit (loop L)")
+    a.set_xlabel("minutes")
+    a.set_ylabel("training loss (smoothed)")
+    a.set_ylim(top=min(10, np.nanmax(final)))
+    a.legend()
+    a.grid(alpha=0.3)
+    for ev in log["evals"]:
+        depths = sorted(int(d) for d in ev["ppl"])
+        b.plot(depths, [ev["ppl"][str(d)] if str(d) in ev["ppl"] else ev["ppl"][d] for d in depths], "o-",
+               label=f"{ev['tokens'] / 1e6:.2f}M tokens")
+    b.set_xlabel("loops")
+    b.set_ylabel("held-out perplexity (PyTorch)")
+    b.set_xscale("log", base=2)
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return 0
+
+
+def _smooth(y, k: int = 25):
+    import numpy as np
+
+    y = np.asarray(y, dtype=float)
+    out = np.full_like(y, np.nan)
+    for i in range(len(y)):
+        w = y[max(0, i - k + 1) : i + 1]
+        w = w[~np.isnan(w)]
+        if len(w):
+            out[i] = w.mean()
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
