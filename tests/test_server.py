@@ -169,9 +169,9 @@ def test_api_v0_sections(server, tiny):
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
     plain = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
     assert "stats" not in plain and plain["choices"][0]["text"] != r["choices"][0]["text"]  # penalty honoured on v0
-    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "speculative",
+    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "tree_speculative", "K_branches": 2,
                                                               "messages": [{"role": "user", "content": "x"}]}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "K_branches"
 
 
 def test_native_generate(server, tiny_engine):
@@ -290,3 +290,49 @@ def _is_utf8(b: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_speculative_endpoints_equal_plain_generation(server):
+    prompt = {"prompt": "Speculate about this", "max_tokens": 24}
+    plain = httpx.post(f"{server}/generate", json={**prompt, "loops": 6}, timeout=60).json()
+    spec = httpx.post(f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
+                                                              "draft_ahead": 3}, timeout=60).json()
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    s = spec["stats"]
+    assert (s["mode"], s["loops_used"]) == ("speculative", 6)
+    assert s["accepted_draft_tokens_count"] + s["rejected_draft_tokens_count"] == s["total_draft_tokens_count"] > 0
+    tree = httpx.post(f"{server}/generate/tree_speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
+                                                                   "draft_ahead": 3, "K_branches": 1}, timeout=60).json()
+    assert tree["tokens"] == plain["tokens"] and tree["stats"]["mode"] == "tree_speculative"
+    raw = httpx.post(f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "stream": True},
+                     timeout=60).content
+    events = sse_events(raw)
+    assert [e["token_id"] for e in events[:-1]] == plain["tokens"] and events[-1]["token_id"] == -1
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    assert 'tinyloop_draft_tokens_proposed_total{mode="speculative"}' in text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/generate/tree_speculative", {"K_branches": 16, "draft_ahead": 8}, "K_branches"),
+    ("/generate/tree_speculative", {"K_branches": 2}, "K_branches"),
+    ("/generate/speculative", {"draft_ahead": 17}, "draft_ahead"),
+    ("/generate/speculative", {"draft_loops": 33}, "draft_loops"),
+])
+def test_speculative_ranges(server, path, body, param):
+    r = httpx.post(f"{server}{path}", json={"prompt": "x", **body}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_speculative_needs_greedy(server):
+    r = httpx.post(f"{server}/generate/speculative", json={"prompt": "x", "temperature": 0.7}, timeout=10)
+    assert r.status_code == 400 and "greedy" in r.json()["error"]["message"]
+
+
+def test_api_v0_routes_modes(server):
+    body = {"model": "m", "prompt": "Route me", "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(f"{server}/api/v0/completions", json={**body, "loops": 5}, timeout=60).json()
+    spec = httpx.post(f"{server}/api/v0/completions", json={**body, "mode": "speculative", "verify_loops": 5,
+                                                            "draft_loops": 1}, timeout=60).json()
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["stats"]["mode"] == "speculative" and spec["stats"]["loops_used"] == 5
+    assert spec["stats"]["total_draft_tokens_count"] > 0 and "mean_accepted_length" in spec["stats"]

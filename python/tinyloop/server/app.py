@@ -28,6 +28,8 @@ from .protocol import (
     GenerateRequest,
     LMChatCompletionRequest,
     LMCompletionRequest,
+    SpeculativeRequest,
+    TreeSpeculativeRequest,
 )
 from .runner import EngineRunner
 
@@ -152,12 +154,23 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def v0_completions(req: LMCompletionRequest):
         return await completion(req)
 
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
-        r, loops = serving.start_generate(state, req)
+    async def native(req: GenerateRequest):
+        r, mode, loops = serving.start_generate(state, req)
         if req.stream:
             return _sse(serving.generate_stream(r))
         await r.complete()
-        return serving.generate_response(r, loops)
+        return serving.generate_response(r, mode, loops)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest):
+        return await native(req)
+
+    @app.post("/generate/speculative")
+    async def generate_speculative(req: SpeculativeRequest):
+        return await native(req)
+
+    @app.post("/generate/tree_speculative")
+    async def generate_tree_speculative(req: TreeSpeculativeRequest):
+        return await native(req)
 
     return app

@@ -21,13 +21,15 @@ class ChoiceRun:
     loops: int | None
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
+    draft: tuple[int, int] | None = None  # (draft_loops, draft_ahead): self-speculative, `loops` verifies
+    mode: str = "generate"
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     first_token_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.job = self.runner.submit(self.prompt, self.params, self.loops)
+        self.job = self.runner.submit(self.prompt, self.params, self.loops, self.draft, self.mode)
 
     def cancel(self) -> None:
         self.job.cancel()
@@ -61,6 +63,10 @@ class ChoiceRun:
                     yield self._clean(delta), None
         finally:
             self.job.cancel()  # no-op when finished; frees the engine slot when the consumer went away
+
+    def draft_stats(self) -> tuple[int, int, int]:
+        """(rounds, proposed, accepted), valid once the generation has ended."""
+        return self.job.draft_stats
 
     async def run(self) -> ChoiceRun:
         async for _ in self.deltas():

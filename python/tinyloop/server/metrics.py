@@ -21,6 +21,10 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.requests_running = Gauge("tinyloop_requests_running", "Requests being generated", registry=r)
         self.requests_waiting = Gauge("tinyloop_requests_waiting", "Requests queued for the engine", registry=r)
+        self.draft_proposed = Counter("tinyloop_draft_tokens_proposed", "Draft tokens proposed, by mode", ["mode"],
+                                      registry=r)
+        self.draft_accepted = Counter("tinyloop_draft_tokens_accepted", "Draft tokens accepted, by mode", ["mode"],
+                                      registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
 
     def prometheus(self) -> bytes:

@@ -6,7 +6,7 @@ Pydantic checks shapes and types (a failure is 422); `check()` on each request c
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,9 +101,12 @@ class LMStudioExtras(BaseModel):
         _range("K_branches", self.K_branches, 1, 16)
         _range("cache_window", self.cache_window, 0, 1 << 20)
         if self.mode != "generate":
-            raise APIError(400, f"mode {self.mode!r} is not available in this build yet; use mode='generate'", param="mode")
+            check_speculative(self.mode, self.draft_ahead, self.K_branches)
         if self.cache_window:
             raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
+
+    def draft(self) -> tuple[int, int] | None:
+        return None if self.mode == "generate" else (self.draft_loops, self.draft_ahead)
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -153,6 +156,43 @@ class GenerateRequest(_Request):
             raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
         if isinstance(self.prompt, str) and not self.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
+
+
+class SpeculativeRequest(GenerateRequest):
+    """POST /generate/speculative: draft at draft_loops, verify at verify_loops."""
+
+    mode: ClassVar[str] = "speculative"
+    draft_loops: int = 2
+    verify_loops: int = 8
+    draft_ahead: int = 4
+
+    def check(self) -> None:
+        super().check()
+        _range("draft_loops", self.draft_loops, 1, 32)
+        _range("verify_loops", self.verify_loops, 1, 64)
+        _range("draft_ahead", self.draft_ahead, 1, 16)
+        check_speculative(self.mode, self.draft_ahead, getattr(self, "K_branches", 1))
+
+
+class TreeSpeculativeRequest(SpeculativeRequest):
+    """POST /generate/tree_speculative: K_branches candidates per draft depth."""
+
+    mode: ClassVar[str] = "tree_speculative"
+    K_branches: int = 1
+
+    def check(self) -> None:
+        _range("K_branches", self.K_branches, 1, 16)
+        super().check()
+
+
+def check_speculative(mode: str, draft_ahead: int, k_branches: int) -> None:
+    if mode == "tree_speculative":
+        if k_branches * draft_ahead > 64:
+            raise APIError(400, f"K_branches * draft_ahead must be at most 64, got {k_branches} * {draft_ahead}",
+                           param="K_branches")
+        if k_branches > 1:
+            raise APIError(400, "tree_speculative with K_branches > 1 is not available in this build yet; "
+                           "K_branches = 1 (chain mode) is", param="K_branches")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from .metrics import Metrics
 class Job:
     stream: TokenStream
     loop: asyncio.AbstractEventLoop
+    mode: str = "generate"  # label for the draft-token metrics
+    draft_stats: tuple[int, int, int] = (0, 0, 0)  # (rounds, proposed, accepted), set when the job leaves
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
@@ -51,10 +53,12 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, loops: int | None) -> Job:
-        """Queue a generation. Raises the engine's typed errors (bad arguments, context length) at once."""
-        stream = self.engine.stream(prompt, params, loops)
-        job = Job(stream=stream, loop=asyncio.get_running_loop())
+    def submit(self, prompt: list[int], params: SamplingParams, loops: int | None,
+               draft: tuple[int, int] | None = None, mode: str = "generate") -> Job:
+        """Queue a generation (speculative when `draft` = (draft_loops, draft_ahead)). Raises the engine's typed
+        errors (bad arguments, context length) at once."""
+        stream = self.engine.stream(prompt, params, loops, draft)
+        job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
         with self._cv:
             self._waiting.append(job)
             self.metrics.requests_waiting.set(len(self._waiting))
@@ -66,6 +70,15 @@ class EngineRunner:
         self.metrics.requests_running.set(len(self._running))
         self.metrics.requests_waiting.set(len(self._waiting))
         self.metrics.kv_cache_bytes.set(sum(j.stream.kv_bytes for j in self._running))
+
+    def _retire(self, job: Job) -> None:
+        """Take a job out of the running set (engine thread); its draft counters go to the metrics."""
+        self._running.remove(job)
+        job.draft_stats = job.stream.draft_stats
+        _, proposed, accepted = job.draft_stats
+        if proposed:
+            self.metrics.draft_proposed.labels(job.mode).inc(proposed)
+            self.metrics.draft_accepted.labels(job.mode).inc(accepted)
 
     def _deliver(self, job: Job, item: StepEvent | BaseException) -> None:
         job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
@@ -79,12 +92,12 @@ class EngineRunner:
                     self._running.append(self._waiting.popleft())
             for job in list(self._running):
                 if job.cancelled:
-                    self._running.remove(job)
+                    self._retire(job)
                     continue
                 try:
                     event = next(job.stream)
                 except TinyloopError as e:
-                    self._running.remove(job)
+                    self._retire(job)
                     self._deliver(job, e)
                     continue
                 now = time.perf_counter()
@@ -97,6 +110,6 @@ class EngineRunner:
                     job.last_token = now
                     self.metrics.generation_tokens.inc()
                 if event.finish_reason is not None:
-                    self._running.remove(job)
+                    self._retire(job)
                 self._deliver(job, event)
             self._update_gauges()

@@ -25,6 +25,7 @@ from .protocol import (
     GenerateRequest,
     LMStudioExtras,
     OpenAISampling,
+    SpeculativeRequest,
     usage,
 )
 from .runner import EngineRunner
@@ -75,7 +76,8 @@ class Request:
     """One API request in flight: its prompts, choices and timing."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], n: int, params: list[SamplingParams],
-                 loops: int | None, stop: list[str], lstrip: bool):
+                 loops: int | None, stop: list[str], lstrip: bool, draft: tuple[int, int] | None = None,
+                 mode: str = "generate"):
         self.state = state
         self.started = time.perf_counter()
         self.prompts = prompts
@@ -93,12 +95,11 @@ class Request:
         try:
             for p in prompts:
                 for i in range(n):
-                    self.choices.append(ChoiceRun(runner, p, params[i], loops, stop, lstrip))
+                    self.choices.append(ChoiceRun(runner, p, params[i], loops, stop, lstrip, draft, mode))
         except (InvalidRequestError, ContextLengthError) as e:
             self.cancel()
             raise APIError(400, str(e)) from e
-        state_metrics = runner.metrics
-        state_metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        runner.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -145,11 +146,20 @@ class Request:
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
         ttft = (min(firsts) - self.started) if firsts else None
         reason = self.choices[0].finish_reason if self.choices else None
-        return {"wall_ms": round(wall * 1000, 3), "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
+        out = {"wall_ms": round(wall * 1000, 3), "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
                 "prompt_tokens": sum(len(p) for p in self.prompts), "completion_tokens": completion, "mode": mode,
                 "loops_used": loops_used, "time_to_first_token": round(ttft, 6) if ttft is not None else None,
                 "generation_time": round(wall - (ttft or 0.0), 6),
                 "stop_reason": {"stop": "eosFound", "length": "maxPredictedTokensReached"}.get(reason or "", reason)}
+        if mode != "generate":
+            rounds = proposed = accepted = 0
+            for c in self.choices:
+                r, p, a = c.draft_stats()
+                rounds, proposed, accepted = rounds + r, proposed + p, accepted + a
+            out.update(accepted_draft_tokens_count=accepted, rejected_draft_tokens_count=proposed - accepted,
+                       total_draft_tokens_count=proposed,
+                       mean_accepted_length=round(accepted / rounds, 4) if rounds else 0.0)
+        return out
 
 
 def _openai_params(req: OpenAISampling, repetition_penalty: float = 1.0) -> list[SamplingParams]:
@@ -175,18 +185,21 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-def _extras(req: OpenAISampling) -> tuple[float, bool]:
+def _extras(req: OpenAISampling) -> tuple[float, int | None, tuple[int, int] | None]:
+    """(repetition_penalty, loops, draft) — the /api/v0 knobs; speculative modes verify at verify_loops."""
     if isinstance(req, LMStudioExtras):
-        return req.repetition_penalty, True
-    return 1.0, False
+        draft = req.draft()
+        return req.repetition_penalty, req.verify_loops if draft else req.loops, draft
+    return 1.0, req.loops, None
 
 
 def start_chat(state: ServerState, req: ChatCompletionRequest) -> Request:
     req.check()
     engine, _ = state.require_engine()
     prompt = engine.encode(render_chat(req.messages))
-    rep, _ = _extras(req)
-    return Request(state, [prompt], req.n, _openai_params(req, rep), req.loops, _stops(req.stop, CHAT_DEFAULT_STOP), True)
+    rep, loops, draft = _extras(req)
+    return Request(state, [prompt], req.n, _openai_params(req, rep), loops, _stops(req.stop, CHAT_DEFAULT_STOP), True,
+                   draft, getattr(req, "mode", "generate"))
 
 
 def start_completion(state: ServerState, req: CompletionRequest) -> Request:
@@ -203,8 +216,9 @@ def start_completion(state: ServerState, req: CompletionRequest) -> Request:
         prompts = [engine.encode(x) for x in p]  # type: ignore[arg-type]
     if not prompts:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
-    rep, _ = _extras(req)
-    return Request(state, prompts, req.n, _openai_params(req, rep), req.loops, _stops(req.stop, []), False)
+    rep, loops, draft = _extras(req)
+    return Request(state, prompts, req.n, _openai_params(req, rep), loops, _stops(req.stop, []), False, draft,
+                   getattr(req, "mode", "generate"))
 
 
 def chat_response(state: ServerState, req: ChatCompletionRequest, r: Request) -> dict[str, Any]:
@@ -226,7 +240,7 @@ def completion_response(state: ServerState, req: CompletionRequest, r: Request) 
 def _with_lm_sections(state: ServerState, req: OpenAISampling, r: Request, body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(req, LMStudioExtras):
         engine, _ = state.require_engine()
-        body["stats"] = r.stats(req.mode, _loops_used(engine, req.loops))
+        body["stats"] = r.stats(req.mode, req.verify_loops if req.draft() else _loops_used(engine, req.loops))
         body["model_info"] = state.model_info()
         body["runtime"] = state.runtime()
     return body
@@ -274,7 +288,8 @@ async def completion_stream(state: ServerState, req: CompletionRequest, r: Reque
     yield SSE_DONE
 
 
-def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, int]:
+def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, str, int]:
+    """Native /generate and its speculative variants: (request, mode, loops used)."""
     req.check()
     engine, _ = state.require_engine()
     prompt = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
@@ -288,12 +303,16 @@ def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, i
     params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             repetition_penalty=req.repetition_penalty, seed=req.sample_seed,
                             max_tokens=req.max_tokens, stop_token_ids=stop_ids)
-    return Request(state, [prompt], 1, [params], req.loops, stop_text, False), req.loops
+    if isinstance(req, SpeculativeRequest):
+        draft = (req.draft_loops, req.draft_ahead)
+        r = Request(state, [prompt], 1, [params], req.verify_loops, stop_text, False, draft, req.mode)
+        return r, req.mode, req.verify_loops
+    return Request(state, [prompt], 1, [params], req.loops, stop_text, False), "generate", req.loops
 
 
-def generate_response(r: Request, loops: int) -> dict[str, Any]:
+def generate_response(r: Request, mode: str, loops: int) -> dict[str, Any]:
     c = r.choices[0]
-    return {"tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason, "stats": r.stats("generate", loops)}
+    return {"tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason, "stats": r.stats(mode, loops)}
 
 
 async def generate_stream(r: Request) -> AsyncIterator[bytes]:

@@ -1,0 +1,75 @@
+"""Self-speculative decoding: greedy output is plain generation at verify_loops, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import tinyloop
+from tinyloop import SamplingParams
+
+from conftest import TINY
+
+SETTINGS = [(1, 3, 4), (2, 8, 4), (1, 8, 2), (3, 4, 8), (2, 6, 1), (4, 12, 5)]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(50257) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0"])
+def test_greedy_speculative_equals_plain(model_factory, weight_type):
+    engine = tinyloop.Engine(model_factory(TINY, weight_type=weight_type).path)
+    checked = 0
+    for i, prompt in enumerate(prompts(50, seed=len(weight_type))):
+        draft_loops, verify_loops, ahead = SETTINGS[i % len(SETTINGS)]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=i % 2 == 0)
+        plain = engine.generate(prompt, params, loops=verify_loops)
+        spec = engine.generate(prompt, params, loops=verify_loops, draft=(draft_loops, ahead))
+        assert spec.tokens == plain.tokens, (prompt, draft_loops, verify_loops, ahead)
+        assert spec.finish_reason == plain.finish_reason
+        assert spec.draft_rounds > 0 and 0 <= spec.draft_accepted <= spec.draft_proposed
+        checked += 1
+    assert checked == 50
+
+
+def test_penalties_and_stops_are_honoured_exactly(tiny_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.5)
+    for prompt in prompts(10, seed=3):
+        plain = tiny_engine.generate(prompt, params, loops=6)
+        stop = plain.tokens[len(plain.tokens) // 2]
+        with_stop = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.5,
+                                   stop_token_ids=[stop])
+        assert tiny_engine.generate(prompt, params, loops=6, draft=(2, 4)).tokens == plain.tokens
+        a = tiny_engine.generate(prompt, with_stop, loops=6)
+        b = tiny_engine.generate(prompt, with_stop, loops=6, draft=(2, 4))
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason) == (plain.tokens[: plain.tokens.index(stop)], "stop")
+
+
+def test_stream_matches_generate(tiny_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    full = tiny_engine.generate([1, 2, 3], params, loops=5, draft=(2, 3))
+    stream = tiny_engine.stream([1, 2, 3], params, loops=5, draft=(2, 3))
+    events = list(stream)
+    assert [e.token_id for e in events] == full.tokens
+    assert events[-1].finish_reason == "length"
+    rounds, proposed, accepted = stream.draft_stats
+    assert (rounds, proposed, accepted) == (full.draft_rounds, full.draft_proposed, full.draft_accepted)
+
+
+def test_a_self_consistent_model_accepts_every_draft(cycle_model):
+    # The cycle model's layers write nothing, so every depth predicts the same token: all drafts are accepted.
+    path, ids = cycle_model
+    engine = tinyloop.Engine(path)
+    out = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8, draft=(1, 4))
+    assert out.tokens == (ids[1:] + ids)[:12]
+    assert out.draft_accepted == out.draft_proposed == 11  # the prefill token is not drafted
+
+
+def test_bad_settings(tiny_engine):
+    with pytest.raises(tinyloop.InvalidRequestError, match="below verify_loops"):
+        tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(4, 2))
+    with pytest.raises(tinyloop.InvalidRequestError, match="greedy-only"):
+        tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2))
