@@ -2,7 +2,8 @@
 
     python training/export.py data/run/model.pt python/tinyloop/models/default.tinyloop
 
-Embeddings (and the tied head) are stored as Q8_0, the block's matrices as F16: about 17 MB for d = 256. The check
+Everything is stored as F16 (norms F32): about 29 MB for d = 256, under the 32 MB the package may ship, and exact
+enough that `train.py --init-from` can continue training from the shipped file. The check
 runs the exported file through the engine and the checkpoint through PyTorch (float32) on held-out text and prints
 the largest logit difference at several depths.
 """
@@ -33,7 +34,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--name", default="tinyloop-default")
     ap.add_argument("--weight-type", default="F16")
-    ap.add_argument("--embedding-type", default="Q8_0")
+    ap.add_argument("--embedding-type", default="F16")
     ap.add_argument("--default-loops", type=int, default=8)
     ap.add_argument("--max-trained-loops", type=int, default=10)
     ap.add_argument("--check-text", type=Path, default=Path("data/corpus/heldout.txt"))

@@ -83,6 +83,31 @@ def evaluate(model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max
     return {d: math.exp(t / (n * ctx)) for d, t in totals.items()}
 
 
+def load_tinyloop(model: LoopedLM, path: Path) -> None:
+    """Copy the weights of a `.tinyloop` file into `model` (dequantizing quantized tensors)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arrays = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        data = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (0, 1) else t.data
+        arrays[t.name] = torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(shape).copy())
+    own = {k: v for k, v in model.export_weights().items()}
+    missing = set(own) - set(arrays)
+    if missing or any(tuple(arrays[k].shape) != own[k].shape for k in own):
+        raise SystemExit(f"{path} does not match the model being trained (missing {sorted(missing)[:3]})")
+    parts = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+             "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+    with torch.no_grad():
+        model.embed.weight.copy_(arrays["token_embd.weight"])
+        model.out_norm.weight.copy_(arrays["output_norm.weight"])
+        for prefix, layers in (("pre", model.prelude), ("blk", model.block)):
+            for i, layer in enumerate(layers):
+                for name, attr in parts.items():
+                    getattr(layer, attr).weight.copy_(arrays[f"{prefix}.{i}.{name}.weight"])
+
+
 def save(path: Path, cfg: TrainConfig, model: LoopedLM, opt: torch.optim.Optimizer, tokens: int) -> None:
     torch.save({"cfg": cfg.__dict__, "state": model.state_dict(), "opt": opt.state_dict(), "tokens": tokens}, path)
 
@@ -106,6 +131,8 @@ def main() -> int:
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from the weights of a .tinyloop file (e.g. the shipped default model)")
     ap.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU (fast only with AMX)")
     args = ap.parse_args()
 
@@ -123,6 +150,8 @@ def main() -> int:
         if resumed["cfg"] != cfg.__dict__:
             raise SystemExit(f"--resume checkpoint has config {resumed['cfg']}, not {cfg.__dict__}")
         model.load_state_dict(resumed["state"])
+    if args.init_from:
+        load_tinyloop(model, args.init_from)
     train = tokenize(args.data / "train.txt")
     held = tokenize(args.data / "heldout.txt")
     print(f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",

@@ -1,0 +1,49 @@
+"""The shipped default model: it loads, and its held-out perplexity is what docs/model.md says (so a broken export
+or an engine regression fails CI)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import tinyloop
+from tinyloop.evaluate import evaluate, held_out_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
+SAMPLE = Path(__file__).parent / "data" / "heldout_sample.txt"  # 2 held-out passages per source (20 fortunes)
+CI_TOKENS = 7168
+
+
+def documented() -> dict[int, float]:
+    line = re.search(r"CI sample.*?perplexity (.*)", (ROOT / "docs" / "model.md").read_text())
+    assert line, "docs/model.md has no 'CI sample' perplexity line"
+    return {int(d): float(p) for d, p in re.findall(r"loops (\d+): ([\d.]+)", line.group(1))}
+
+
+@pytest.fixture(scope="module")
+def result():
+    engine = tinyloop.Engine(DEFAULT)
+    ids = held_out_ids(engine, SAMPLE.read_text(), CI_TOKENS)
+    assert len(ids) == CI_TOKENS + 1
+    return evaluate(engine, ids, engine.info.max_seq_len - 1, depths=[1, 8], progress=False)
+
+
+def test_perplexity_matches_the_doc(result):
+    doc = documented()
+    assert abs(result["perplexity"][8] / doc[8] - 1) < 0.01, (result["perplexity"][8], doc[8])
+    assert abs(result["perplexity"][1] / doc[1] - 1) < 0.01, (result["perplexity"][1], doc[1])
+
+
+def test_depth_helps(result):
+    assert result["perplexity"][8] < result["perplexity"][1]
+
+
+def test_default_model_is_what_the_server_loads():
+    from tinyloop.server.config import DEFAULT_MODEL
+
+    assert DEFAULT_MODEL == DEFAULT and DEFAULT.stat().st_size <= 32_000_000
+    info = tinyloop.Engine(DEFAULT).info
+    assert (info.vocab_size, info.default_loops) == (50257, 8)
