@@ -140,20 +140,40 @@ impl Sampler {
 
     /// Choose the next token from raw logits (modified in place).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        let dist = self.distribution(logits);
+        self.draw(&dist)
+    }
+
+    /// The distribution `sample` draws from, normalised: steps 1–4 of the module doc. Greedy is a point mass.
+    pub fn distribution(&self, logits: &mut [f32]) -> Vec<(u32, f64)> {
         self.process(logits);
         if self.params.temperature == 0.0 {
-            return argmax(logits);
+            return vec![(argmax(logits), 1.0)];
         }
-        let candidates = candidates(logits, self.params.temperature, self.params.top_k, self.params.top_p);
-        let total: f64 = candidates.iter().map(|c| c.1).sum();
-        let mut u = self.rng.random::<f64>() * total;
-        for &(id, p) in &candidates {
+        let mut c = candidates(logits, self.params.temperature, self.params.top_k, self.params.top_p);
+        let total: f64 = c.iter().map(|x| x.1).sum();
+        c.iter_mut().for_each(|x| x.1 /= total);
+        c
+    }
+
+    /// Draw from a normalised distribution (a point mass takes no randomness).
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
+        if let [(only, _)] = dist {
+            return *only;
+        }
+        let mut u = self.rng.random::<f64>() * dist.iter().map(|x| x.1).sum::<f64>();
+        for &(id, p) in dist {
             if u < p {
                 return id;
             }
             u -= p;
         }
-        candidates.last().map_or_else(|| argmax(logits), |c| c.0)
+        dist.last().map_or(0, |c| c.0)
+    }
+
+    /// A uniform draw in [0, 1) from the request's RNG (speculative acceptance tests).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
     }
 }
 

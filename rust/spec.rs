@@ -3,9 +3,11 @@
 //! computed the first loops' hidden states and K/V for those tokens, exactly as a full-depth pass would (the prefix
 //! property, DESIGN section 1). The verifier's choice at each position is made by the same sampler plain
 //! generation uses, so greedy output is the plain output at `verify_loops`, token for token. Rows after the first
-//! disagreement are rolled back in every loop's cache.
+//! disagreement are rolled back in every loop's cache. With temperature > 0 the draft samples from its own
+//! distribution q and the verifier keeps or resamples by the speculative-sampling rule, so every output token is
+//! distributed exactly as plain sampling at `verify_loops` would distribute it.
 
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 
 use crate::engine::Generator;
 use crate::ensure_arg;
@@ -33,8 +35,6 @@ impl Generator {
         ensure_arg!(cfg.draft_loops >= 1 && cfg.draft_loops < self.loops,
             "draft_loops ({}) must be at least 1 and below verify_loops ({})", cfg.draft_loops, self.loops);
         ensure_arg!((1..=MAX_LOOPS).contains(&cfg.draft_ahead), "draft_ahead must be in 1..={MAX_LOOPS}");
-        ensure_arg!(self.sampler.params().temperature == 0.0,
-            "speculative decoding is greedy-only in this build: set temperature to 0");
         self.spec = Some(cfg);
         Ok(self)
     }
@@ -45,14 +45,19 @@ impl Generator {
         let x0 = self.pending.take().ok_or_else(|| Error::Internal("speculative round without a pending token".into()))?;
         let remaining = self.sampler.params().max_tokens - self.output.len();
         let k = cfg.draft_ahead.min(remaining).max(1);
-        // Draft: row j feeds inputs[j] at position pos + j through loops 0..d and proposes inputs[j + 1].
+        // Draft: row j feeds inputs[j] at position pos + j through loops 0..d and proposes inputs[j + 1], drawn
+        // from the draft distribution q_j (the request's own temperature / top-k / top-p / penalties).
         let mut inputs = vec![x0];
         let mut hidden = Vec::with_capacity(k);
+        let mut proposals = Vec::with_capacity(k);
         for j in 0..k {
             let tok = [inputs[j]];
             let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos + j, tokens: &tok }];
             let h = model.run(model.embed(&tok)?, &mut seqs, true, 0..cfg.draft_loops)?;
-            inputs.push(model.logits(&h)?.argmax(D::Minus1)?.to_vec1::<u32>()?[0]);
+            let mut logits = model.logits(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let q = self.sampler.distribution(&mut logits);
+            inputs.push(self.sampler.draw(&q));
+            proposals.push(q);
             hidden.push(h);
         }
         // Verify rows 0..k in one pass over the remaining loops.
@@ -62,10 +67,10 @@ impl Generator {
         self.draft.rounds += 1;
         self.draft.proposed += k;
         let mut fed = 0;
-        for (j, mut row) in logits.into_iter().enumerate() {
+        for (j, (mut row, q)) in logits.into_iter().zip(&proposals).enumerate() {
             fed = j + 1; // rows 0..=j hold tokens that are part of the output: their K/V stays
-            let token = self.sampler.sample(&mut row);
-            let agreed = token == inputs[j + 1];
+            let p = self.sampler.distribution(&mut row);
+            let (token, agreed) = self.verify(inputs[j + 1], &p, q);
             let step = self.emit(token);
             self.ready.push_back(step);
             self.draft.accepted += usize::from(agreed);
@@ -76,5 +81,25 @@ impl Generator {
         self.pos += fed;
         self.cache.truncate(self.pos);
         Ok(())
+    }
+
+    /// Speculative sampling: keep the draft `t` with probability min(1, p(t)/q(t)), else draw from the
+    /// normalised residual max(0, p − q). The kept token is then distributed exactly as p. With point masses
+    /// (greedy) this is "keep t iff it is p's argmax, else take the argmax".
+    fn verify(&mut self, t: u32, p: &[(u32, f64)], q: &[(u32, f64)]) -> (u32, bool) {
+        let prob = |d: &[(u32, f64)], x: u32| d.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1);
+        let (pt, qt) = (prob(p, t), prob(q, t));
+        let keep = pt >= qt || (qt > 0.0 && self.sampler.uniform() < pt / qt);
+        if keep && pt > 0.0 {
+            return (t, true);
+        }
+        let q_of: std::collections::HashMap<u32, f64> = q.iter().copied().collect();
+        let residual: Vec<(u32, f64)> = p
+            .iter()
+            .map(|&(x, px)| (x, (px - q_of.get(&x).copied().unwrap_or(0.0)).max(0.0)))
+            .filter(|e| e.1 > 0.0)
+            .collect();
+        let token = if residual.is_empty() { self.sampler.draw(p) } else { self.sampler.draw(&residual) };
+        (token, false)
     }
 }

@@ -323,9 +323,13 @@ def test_speculative_ranges(server, path, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_speculative_needs_greedy(server):
-    r = httpx.post(f"{server}/generate/speculative", json={"prompt": "x", "temperature": 0.7}, timeout=10)
-    assert r.status_code == 400 and "greedy" in r.json()["error"]["message"]
+def test_speculative_sampling_is_reproducible_and_tree_needs_greedy(server):
+    body = {"prompt": "x", "temperature": 0.7, "sample_seed": 3, "max_tokens": 10}
+    a = httpx.post(f"{server}/generate/speculative", json=body, timeout=30).json()
+    b = httpx.post(f"{server}/generate/speculative", json=body, timeout=30).json()
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 10
+    r = httpx.post(f"{server}/generate/tree_speculative", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
 def test_api_v0_routes_modes(server):

@@ -25,7 +25,7 @@ def test_greedy_speculative_equals_plain(model_factory, weight_type):
     checked = 0
     for i, prompt in enumerate(prompts(50, seed=len(weight_type))):
         draft_loops, verify_loops, ahead = SETTINGS[i % len(SETTINGS)]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=i % 2 == 0)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=i % 2 == 0)
         plain = engine.generate(prompt, params, loops=verify_loops)
         spec = engine.generate(prompt, params, loops=verify_loops, draft=(draft_loops, ahead))
         assert spec.tokens == plain.tokens, (prompt, draft_loops, verify_loops, ahead)
@@ -71,5 +71,56 @@ def test_a_self_consistent_model_accepts_every_draft(cycle_model):
 def test_bad_settings(tiny_engine):
     with pytest.raises(tinyloop.InvalidRequestError, match="below verify_loops"):
         tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(4, 2))
-    with pytest.raises(tinyloop.InvalidRequestError, match="greedy-only"):
-        tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2))
+    with pytest.raises(tinyloop.InvalidRequestError, match="draft_ahead"):
+        tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(2, 0))
+
+
+def outcomes(engine, n, loops, draft=None, seed0=0):
+    """Counts of the 3-token continuations of a fixed prompt over n seeds."""
+    counts: dict[tuple, int] = {}
+    for s in range(seed0, seed0 + n):
+        params = SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True)
+        key = tuple(engine.generate([5, 6, 7], params, loops=loops, draft=draft).tokens)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def homogeneity(a: dict, b: dict) -> tuple[float, float]:
+    """Chi-square statistic of two samples over the same categories (rare ones pooled) and its 0.999 quantile."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    na, nb = sum(a.values()), sum(b.values())
+    rows, pooled = [], [0, 0]
+    for k in keys:
+        x, y = a.get(k, 0), b.get(k, 0)
+        if (x + y) * min(na, nb) / (na + nb) >= 5:
+            rows.append((x, y))
+        else:
+            pooled = [pooled[0] + x, pooled[1] + y]
+    if sum(pooled):
+        rows.append(tuple(pooled))
+    chi = 0.0
+    for x, y in rows:
+        for obs, n in ((x, na), (y, nb)):
+            exp = (x + y) * n / (na + nb)
+            chi += (obs - exp) ** 2 / exp
+    df = len(rows) - 1
+    crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
+    return chi, crit
+
+
+def test_speculative_sampling_preserves_the_verifier_distribution(tiny_engine):
+    plain = outcomes(tiny_engine, 800, loops=4)
+    spec = outcomes(tiny_engine, 800, loops=4, draft=(1, 3), seed0=10_000)
+    chi, crit = homogeneity(plain, spec)
+    assert len(plain) > 5 and chi < crit, (chi, crit)
+    # The test has power: a different depth is a different distribution.
+    shallow = outcomes(tiny_engine, 800, loops=1, seed0=20_000)
+    chi, crit = homogeneity(plain, shallow)
+    assert chi > crit, (chi, crit)
+
+
+def test_seeded_speculative_sampling_reproduces(tiny_engine):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=20)
+    a = tiny_engine.generate([1, 2], params, loops=6, draft=(2, 4))
+    b = tiny_engine.generate([1, 2], params, loops=6, draft=(2, 4))
+    assert a.tokens == b.tokens and len(a.tokens) == 20

@@ -182,6 +182,8 @@ class TreeSpeculativeRequest(SpeculativeRequest):
 
     def check(self) -> None:
         _range("K_branches", self.K_branches, 1, 16)
+        if self.temperature != 0.0:
+            raise APIError(400, "tree_speculative is greedy-only: temperature must be 0.0", param="temperature")
         super().check()
 
 
