@@ -80,7 +80,7 @@ impl Engine {
         let mut done = 0;
         let mut out = Vec::with_capacity(depths.len());
         for &d in depths {
-            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs }];
+            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None }];
             h = self.model.run(h, &mut seqs, done == 0, done..d)?;
             done = d;
             let logits = self.model.logits(&h)?;
@@ -129,8 +129,9 @@ impl Generator {
             return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
         }
         let sampler = Sampler::new(params, &prompt, vocab, engine.tokenizer.eos_token_id)?;
-        // Capacity `needed` leaves one spare position: the last output token is never fed back.
-        let cache = engine.model.new_cache(needed);
+        // `needed` leaves one spare position (the last output token is never fed back); tree verification may
+        // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.
+        let cache = engine.model.new_cache(needed + crate::spec::MAX_TREE_ROWS);
         Ok(Self {
             engine,
             cache,
@@ -171,7 +172,7 @@ impl Generator {
             Some(t) => vec![t],
             None => self.prompt.clone(),
         };
-        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &feed }];
+        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &feed, tree: None }];
         let logits = self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?;
         self.pos += feed.len();
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;

@@ -119,18 +119,30 @@ impl KvCache {
     /// Write K/V rows for positions `pos..pos+n` into `slot`, then attend the `n` query rows causally over the slot.
     /// `k`, `v`: `(n, n_kv_heads*head_dim)`; `q`, `out`: `(n, n_heads*head_dim)`, row i at position `pos + i`.
     pub fn write_and_attend(&mut self, slot: usize, pos: usize, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+        let n = k.len() / (self.shape.n_kv_heads * self.shape.head_dim).max(1);
+        let store: Vec<usize> = (pos..pos + n).collect();
+        let visible: Vec<usize> = (pos + 1..=pos + n).collect();
+        self.write_rows_and_attend(slot, &RowLayout { store: &store, prefix: &visible, extra: &[] }, k, v, q, out)
+    }
+
+    /// The general form: row i is stored at index `layout.store[i]` and attends to indices `0..layout.prefix[i]`
+    /// plus `layout.extra[i]` (tree verification: a node sees its ancestors and itself, not its siblings).
+    pub fn write_rows_and_attend(&mut self, slot: usize, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
         let AttnShape { n_heads, n_kv_heads, head_dim } = self.shape;
         let kvw = n_kv_heads * head_dim;
-        let n = k.len() / kvw;
-        if n == 0 || k.len() != n * kvw || v.len() != k.len() || q.len() != n * n_heads * head_dim || out.len() != q.len() {
+        let n = layout.store.len();
+        if n == 0 || k.len() != n * kvw || v.len() != k.len() || q.len() != n * n_heads * head_dim || out.len() != q.len()
+            || layout.prefix.len() != n || !(layout.extra.is_empty() || layout.extra.len() == n)
+        {
             return Err(Error::Internal(format!("attention: bad row shapes for slot {slot}")));
         }
-        if pos + n > self.capacity {
-            return Err(Error::ContextLength { needed: pos + n, limit: self.capacity });
+        let (lo, hi) = (layout.store.iter().min().copied().unwrap_or(0), layout.store.iter().max().copied().unwrap_or(0));
+        if hi >= self.capacity {
+            return Err(Error::ContextLength { needed: hi + 1, limit: self.capacity });
         }
         let have = self.slot_len(slot);
-        if pos > have {
-            return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {pos}")));
+        if lo > have {
+            return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
         let (cap, shape) = (self.capacity, self.shape);
         let size = cap * kvw;
@@ -140,55 +152,86 @@ impl KvCache {
             KvKind::F16 => SlotBuf::F16(Slot { k: vec![f16::ZERO; size], v: vec![f16::ZERO; size], len: 0 }),
         });
         match buf {
-            SlotBuf::F32(s) => s.write_and_attend(shape, cap, pos, k, v, q, out),
-            SlotBuf::F16(s) => s.write_and_attend(shape, cap, pos, k, v, q, out),
+            SlotBuf::F32(s) => s.write_and_attend(shape, cap, layout, k, v, q, out),
+            SlotBuf::F16(s) => s.write_and_attend(shape, cap, layout, k, v, q, out),
         }
         Ok(())
     }
+
+    /// Move the K/V stored at index `from` to index `to` in every slot that holds it (tree compaction).
+    pub fn move_position(&mut self, from: usize, to: usize) {
+        let width = self.shape.head_dim;
+        let (heads, cap) = (self.shape.n_kv_heads, self.capacity);
+        for slot in self.slots.iter_mut().flatten() {
+            match slot {
+                SlotBuf::F32(s) => s.move_position(heads, cap, width, from, to),
+                SlotBuf::F16(s) => s.move_position(heads, cap, width, from, to),
+            }
+        }
+    }
+}
+
+/// Where each new row is stored and what it may attend to (see `KvCache::write_rows_and_attend`).
+pub struct RowLayout<'a> {
+    pub store: &'a [usize],
+    pub prefix: &'a [usize],
+    pub extra: &'a [Vec<usize>],
 }
 
 impl<T: KvElem> Slot<T> {
     #[allow(clippy::too_many_arguments)]
-    fn write_and_attend(&mut self, shape: AttnShape, cap: usize, pos: usize, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) {
+    fn write_and_attend(&mut self, shape: AttnShape, cap: usize, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) {
         let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
-        let n = k.len() / (n_kv_heads * hd);
-        for i in 0..n {
+        for (i, &at) in layout.store.iter().enumerate() {
             for g in 0..n_kv_heads {
                 let src = (i * n_kv_heads + g) * hd;
-                let dst = (g * cap + pos + i) * hd;
+                let dst = (g * cap + at) * hd;
                 for d in 0..hd {
                     self.k[dst + d] = T::from_f32(k[src + d]);
                     self.v[dst + d] = T::from_f32(v[src + d]);
                 }
             }
         }
-        self.len = pos + n;
+        self.len = layout.store.iter().max().map_or(self.len, |m| m + 1);
         let group = n_heads / n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let (ks, vs) = (&self.k, &self.v);
+        const NONE: &[usize] = &[];
         // One task per (row, head); each writes its own head_dim-wide piece of `out`.
         let task = |(idx, o): (usize, &mut [f32])| {
             let (i, h) = (idx / n_heads, idx % n_heads);
             let base = (h / group) * cap * hd;
-            let qv = &q[idx * hd..(idx + 1) * hd];
-            attend_one(qv, &ks[base..base + (pos + i + 1) * hd], &vs[base..base + (pos + i + 1) * hd], hd, scale, o);
+            let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
+            let head = (&ks[base..base + cap * hd], &vs[base..base + cap * hd]);
+            attend_one(&q[idx * hd..(idx + 1) * hd], head, layout.prefix[i], extra, hd, scale, o);
         };
-        let work = n * n_heads * (pos + n) * hd;
+        let work: usize = layout.prefix.iter().sum::<usize>() * n_heads * hd;
         if work < 1 << 16 {
             out.chunks_mut(hd).enumerate().for_each(task);
         } else {
             out.par_chunks_mut(hd).enumerate().for_each(task);
         }
     }
+
+    fn move_position(&mut self, heads: usize, cap: usize, hd: usize, from: usize, to: usize) {
+        if from >= self.len {
+            return;
+        }
+        for g in 0..heads {
+            let (src, dst) = ((g * cap + from) * hd, (g * cap + to) * hd);
+            self.k.copy_within(src..src + hd, dst);
+            self.v.copy_within(src..src + hd, dst);
+        }
+    }
 }
 
-/// softmax(q·Kᵀ·scale)·V for one query row over `t = keys.len()/hd` positions, accumulated in f32.
-fn attend_one<T: KvElem>(q: &[f32], keys: &[T], values: &[T], hd: usize, scale: f32, out: &mut [f32]) {
-    let t = keys.len() / hd;
-    let mut scores: Vec<f32> = keys
-        .chunks_exact(hd)
-        .map(|kr| kr.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale)
-        .collect();
+/// softmax(q·Kᵀ·scale)·V for one query row over key indices `0..prefix` and `extra`, accumulated in f32.
+/// `head` holds one KV head's keys and values, `[position][head_dim]`.
+fn attend_one<T: KvElem>(q: &[f32], head: (&[T], &[T]), prefix: usize, extra: &[usize], hd: usize, scale: f32, out: &mut [f32]) {
+    let (keys, values) = head;
+    let dot = |t: usize| keys[t * hd..(t + 1) * hd].iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale;
+    let index = |j: usize| if j < prefix { j } else { extra[j - prefix] };
+    let mut scores: Vec<f32> = (0..prefix + extra.len()).map(|j| dot(index(j))).collect();
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for s in scores.iter_mut() {
@@ -196,9 +239,10 @@ fn attend_one<T: KvElem>(q: &[f32], keys: &[T], values: &[T], hd: usize, scale: 
         sum += *s;
     }
     out.fill(0.0);
-    for (p, vr) in scores.iter().zip(values.chunks_exact(hd)).take(t) {
+    for (j, p) in scores.iter().enumerate() {
         let w = p / sum;
-        for (o, x) in out.iter_mut().zip(vr) {
+        let t = index(j);
+        for (o, x) in out.iter_mut().zip(&values[t * hd..(t + 1) * hd]) {
             *o += w * x.to_f32();
         }
     }

@@ -12,6 +12,7 @@ pub mod model;
 pub mod sampler;
 pub mod spec;
 pub mod tokenizer;
+pub mod tree;
 
 #[cfg(feature = "python")]
 mod py;

@@ -12,7 +12,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::{Error, Result};
-use crate::kv::{AttnShape, KvCache, KvKind};
+use crate::kv::{AttnShape, KvCache, KvKind, RowLayout};
 use crate::loader::{Config, ModelFile, MAX_LOOPS};
 
 struct Layer {
@@ -39,11 +39,23 @@ pub struct Model {
     kv_kind: KvKind,
 }
 
-/// New tokens of one sequence: written at positions `pos..pos+tokens.len()` of `cache`.
+/// New tokens of one sequence: written at positions `pos..pos+tokens.len()` of `cache`, or laid out as a tree.
 pub struct SeqChunk<'a> {
     pub cache: &'a mut KvCache,
     pub pos: usize,
     pub tokens: &'a [u32],
+    /// Tree rows (speculative verification): where each row is stored, what it sees, its RoPE position.
+    pub tree: Option<&'a TreeRows>,
+}
+
+/// Rows of a token tree: row i is stored at `store[i]`, attends to `0..prefix[i]` and `extra[i]`, and is rotated
+/// for position `rope[i]` (its depth), so a node computes exactly what it would as the next token of its path.
+#[derive(Debug, Clone, Default)]
+pub struct TreeRows {
+    pub store: Vec<usize>,
+    pub prefix: Vec<usize>,
+    pub extra: Vec<Vec<usize>>,
+    pub rope: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,9 +199,24 @@ impl Model {
         for s in seqs.iter_mut() {
             let n = s.tokens.len();
             let (qr, kr) = (row * nh * hd..(row + n) * nh * hd, row * nkv * hd..(row + n) * nkv * hd);
-            self.rope(&mut q[qr.clone()], nh, s.pos);
-            self.rope(&mut k[kr.clone()], nkv, s.pos);
-            s.cache.write_and_attend(slot, s.pos, &k[kr.clone()], &v[kr], &q[qr.clone()], &mut att[qr])?;
+            let causal: Vec<usize>;
+            let positions = match s.tree {
+                Some(t) => t.rope.as_slice(),
+                None => {
+                    causal = (s.pos..s.pos + n).collect();
+                    causal.as_slice()
+                }
+            };
+            self.rope(&mut q[qr.clone()], nh, positions);
+            self.rope(&mut k[kr.clone()], nkv, positions);
+            let (kk, vv, qq) = (&k[kr.clone()], &v[kr], &q[qr.clone()]);
+            match s.tree {
+                Some(t) => {
+                    let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra };
+                    s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, &mut att[qr])?
+                }
+                None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, &mut att[qr])?,
+            }
             row += n;
         }
         let att = Tensor::from_vec(att, x.dims(), &Device::Cpu)?;
@@ -199,11 +226,12 @@ impl Model {
         Ok((x + l.down.forward(&m)?)?)
     }
 
-    /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), rows from `pos0`.
-    fn rope(&self, x: &mut [f32], heads: usize, pos0: usize) {
+    /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), row r at
+    /// `positions[r]`.
+    fn rope(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
         let hd = self.cfg.head_dim;
-        for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
-            let p = (pos0 + r) as f64;
+        for (row, &pos) in x.chunks_exact_mut(heads * hd).zip(positions) {
+            let p = pos as f64;
             let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)).collect();
             for head in row.chunks_exact_mut(hd) {
                 for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {

@@ -224,7 +224,7 @@ impl Sequence {
     fn feed<'py>(&mut self, py: Python<'py>, ids: Vec<u32>, loops: usize) -> PyResult<Bound<'py, PyBytes>> {
         let (engine, cache, pos) = (&self.engine, &mut self.cache, self.len);
         let logits = detached(py, || {
-            let mut seqs = [SeqChunk { cache, pos, tokens: &ids }];
+            let mut seqs = [SeqChunk { cache, pos, tokens: &ids, tree: None }];
             let t = engine.model.forward(&mut seqs, loops, LogitRows::All)?;
             Ok(t.flatten_all()?.to_vec1::<f32>()?)
         })?;
@@ -264,12 +264,14 @@ impl Engine {
     }
 
     fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                 draft: Option<(usize, usize)>) -> PyResult<Generator> {
+                 draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<Generator> {
         let ids = self.prompt_ids(py, prompt)?;
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
         let g = Generator::new(self.inner.clone(), ids, params, loops).map_err(to_py)?;
         match draft {
-            Some((draft_loops, draft_ahead)) => g.with_speculation(SpecConfig { draft_loops, draft_ahead }).map_err(to_py),
+            Some((draft_loops, draft_ahead)) => {
+                g.with_speculation(SpecConfig { draft_loops, draft_ahead, k_branches }).map_err(to_py)
+            }
             None => Ok(g),
         }
     }
@@ -338,11 +340,11 @@ impl Engine {
     }
 
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
-    /// self-speculative decoding with `loops` as the verify depth (greedy only).
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None))]
+    /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1))]
     fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                draft: Option<(usize, usize)>) -> PyResult<Generation> {
-        let mut g = self.generator(py, prompt, params, loops, draft)?;
+                draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<Generation> {
+        let mut g = self.generator(py, prompt, params, loops, draft, k_branches)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = detached(py, || {
             let finish = g.run()?;
@@ -362,10 +364,10 @@ impl Engine {
 
     /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
     /// a speculative round runs when no verified token is waiting.
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None))]
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1))]
     fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-              draft: Option<(usize, usize)>) -> PyResult<TokenStream> {
-        let generator = self.generator(py, prompt, params, loops, draft)?;
+              draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<TokenStream> {
+        let generator = self.generator(py, prompt, params, loops, draft, k_branches)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
 

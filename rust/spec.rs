@@ -15,11 +15,18 @@ use crate::error::{Error, Result};
 use crate::loader::MAX_LOOPS;
 use crate::model::SeqChunk;
 
+pub use crate::tree::top_k;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecConfig {
     pub draft_loops: usize,
     pub draft_ahead: usize,
+    /// Candidates per draft depth: 1 is chain mode, more is tree mode (rust/tree.rs), greedy only.
+    pub k_branches: usize,
 }
+
+/// Most rows one verification pass may hold (`k_branches · draft_ahead`).
+pub const MAX_TREE_ROWS: usize = 64;
 
 /// Counters of drafted tokens (LM Studio's names in the API).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -35,12 +42,19 @@ impl Generator {
         ensure_arg!(cfg.draft_loops >= 1 && cfg.draft_loops < self.loops,
             "draft_loops ({}) must be at least 1 and below verify_loops ({})", cfg.draft_loops, self.loops);
         ensure_arg!((1..=MAX_LOOPS).contains(&cfg.draft_ahead), "draft_ahead must be in 1..={MAX_LOOPS}");
+        ensure_arg!(cfg.k_branches >= 1 && cfg.k_branches * cfg.draft_ahead <= MAX_TREE_ROWS,
+            "K_branches * draft_ahead must be between 1 and {MAX_TREE_ROWS}, got {} * {}", cfg.k_branches, cfg.draft_ahead);
+        ensure_arg!(cfg.k_branches == 1 || self.sampler.params().temperature == 0.0,
+            "tree speculative decoding (K_branches > 1) is greedy-only: set temperature to 0");
         self.spec = Some(cfg);
         Ok(self)
     }
 
     /// One draft + verify round; queues the verified steps in `self.ready`.
     pub(crate) fn speculative_round(&mut self, cfg: SpecConfig) -> Result<()> {
+        if cfg.k_branches > 1 {
+            return self.tree_round(cfg);
+        }
         let model = &self.engine.model;
         let x0 = self.pending.take().ok_or_else(|| Error::Internal("speculative round without a pending token".into()))?;
         let remaining = self.sampler.params().max_tokens - self.output.len();
@@ -52,7 +66,7 @@ impl Generator {
         let mut proposals = Vec::with_capacity(k);
         for j in 0..k {
             let tok = [inputs[j]];
-            let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos + j, tokens: &tok }];
+            let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos + j, tokens: &tok, tree: None }];
             let h = model.run(model.embed(&tok)?, &mut seqs, true, 0..cfg.draft_loops)?;
             let mut logits = model.logits(&h)?.flatten_all()?.to_vec1::<f32>()?;
             let q = self.sampler.distribution(&mut logits);
@@ -61,7 +75,7 @@ impl Generator {
             hidden.push(h);
         }
         // Verify rows 0..k in one pass over the remaining loops.
-        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &inputs[..k] }];
+        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &inputs[..k], tree: None }];
         let h = model.run(Tensor::cat(&hidden, 0)?, &mut seqs, false, cfg.draft_loops..self.loops)?;
         let logits = model.logits(&h)?.to_vec2::<f32>()?;
         self.draft.rounds += 1;

@@ -169,7 +169,7 @@ def test_api_v0_sections(server, tiny):
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
     plain = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
     assert "stats" not in plain and plain["choices"][0]["text"] != r["choices"][0]["text"]  # penalty honoured on v0
-    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "tree_speculative", "K_branches": 2,
+    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "tree_speculative", "K_branches": 16, "draft_ahead": 8,
                                                               "messages": [{"role": "user", "content": "x"}]}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "K_branches"
 
@@ -304,6 +304,9 @@ def test_speculative_endpoints_equal_plain_generation(server):
     tree = httpx.post(f"{server}/generate/tree_speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
                                                                    "draft_ahead": 3, "K_branches": 1}, timeout=60).json()
     assert tree["tokens"] == plain["tokens"] and tree["stats"]["mode"] == "tree_speculative"
+    wide = httpx.post(f"{server}/generate/tree_speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
+                                                                   "draft_ahead": 4, "K_branches": 3}, timeout=60).json()
+    assert wide["tokens"] == plain["tokens"] and wide["stats"]["total_draft_tokens_count"] > 0
     raw = httpx.post(f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "stream": True},
                      timeout=60).content
     events = sse_events(raw)
@@ -314,7 +317,7 @@ def test_speculative_endpoints_equal_plain_generation(server):
 
 @pytest.mark.parametrize("path,body,param", [
     ("/generate/tree_speculative", {"K_branches": 16, "draft_ahead": 8}, "K_branches"),
-    ("/generate/tree_speculative", {"K_branches": 2}, "K_branches"),
+    ("/generate/tree_speculative", {"K_branches": 17}, "K_branches"),
     ("/generate/speculative", {"draft_ahead": 17}, "draft_ahead"),
     ("/generate/speculative", {"draft_loops": 33}, "draft_loops"),
 ])

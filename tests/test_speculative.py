@@ -124,3 +124,43 @@ def test_seeded_speculative_sampling_reproduces(tiny_engine):
     a = tiny_engine.generate([1, 2], params, loops=6, draft=(2, 4))
     b = tiny_engine.generate([1, 2], params, loops=6, draft=(2, 4))
     assert a.tokens == b.tokens and len(a.tokens) == 20
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_tree_greedy_equals_plain(model_factory, weight_type):
+    engine = tinyloop.Engine(model_factory(TINY, weight_type=weight_type).path)
+    trees = [(1, 4, 3, 2), (2, 6, 4, 4), (1, 8, 5, 3), (3, 5, 2, 8), (2, 8, 8, 8)]  # (d, L, ahead, K)
+    accepted = proposed = 0
+    for i, prompt in enumerate(prompts(50, seed=7)):
+        d, L, ahead, K = trees[i % len(trees)]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        plain = engine.generate(prompt, params, loops=L)
+        tree = engine.generate(prompt, params, loops=L, draft=(d, ahead), k_branches=K)
+        assert tree.tokens == plain.tokens, (prompt, d, L, ahead, K)
+        accepted += tree.draft_accepted
+        proposed += tree.draft_proposed
+    assert 0 < accepted <= proposed
+
+
+def test_tree_with_one_branch_is_chain(tiny_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    for prompt in prompts(5, seed=11):
+        chain = tiny_engine.generate(prompt, params, loops=6, draft=(2, 4))
+        tree = tiny_engine.generate(prompt, params, loops=6, draft=(2, 4), k_branches=1)
+        assert (chain.tokens, chain.draft_accepted, chain.draft_rounds) == (tree.tokens, tree.draft_accepted,
+                                                                           tree.draft_rounds)
+
+
+def test_tree_on_a_self_consistent_model_accepts_every_draft(cycle_model):
+    path, ids = cycle_model
+    engine = tinyloop.Engine(path)
+    out = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8,
+                          draft=(1, 4), k_branches=3)
+    assert out.tokens == (ids[1:] + ids)[:12] and out.draft_accepted == out.draft_proposed == 11
+
+
+def test_tree_limits(tiny_engine):
+    with pytest.raises(tinyloop.InvalidRequestError, match="at most|between 1 and 64"):
+        tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(2, 9), k_branches=8)
+    with pytest.raises(tinyloop.InvalidRequestError, match="greedy-only"):
+        tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2), k_branches=2)

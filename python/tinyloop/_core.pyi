@@ -121,6 +121,7 @@ class Engine:
         params: SamplingParams | None = None,
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
+        k_branches: int = 1,
     ) -> Generation: ...
     def stream(
         self,
@@ -128,5 +129,6 @@ class Engine:
         params: SamplingParams | None = None,
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
+        k_branches: int = 1,
     ) -> TokenStream: ...
     def sequence(self, capacity: int | None = None) -> Sequence: ...

@@ -21,7 +21,7 @@ class ChoiceRun:
     loops: int | None
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
-    draft: tuple[int, int] | None = None  # (draft_loops, draft_ahead): self-speculative, `loops` verifies
+    draft: tuple[int, int, int] | None = None  # (draft_loops, draft_ahead, k_branches); `loops` verifies
     mode: str = "generate"
     tokens: list[int] = field(default_factory=list)
     text: str = ""

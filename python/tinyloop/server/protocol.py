@@ -105,8 +105,11 @@ class LMStudioExtras(BaseModel):
         if self.cache_window:
             raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
 
-    def draft(self) -> tuple[int, int] | None:
-        return None if self.mode == "generate" else (self.draft_loops, self.draft_ahead)
+    def draft(self) -> tuple[int, int, int] | None:
+        """(draft_loops, draft_ahead, k_branches) for the speculative modes."""
+        if self.mode == "generate":
+            return None
+        return self.draft_loops, self.draft_ahead, self.K_branches if self.mode == "tree_speculative" else 1
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -192,9 +195,6 @@ def check_speculative(mode: str, draft_ahead: int, k_branches: int) -> None:
         if k_branches * draft_ahead > 64:
             raise APIError(400, f"K_branches * draft_ahead must be at most 64, got {k_branches} * {draft_ahead}",
                            param="K_branches")
-        if k_branches > 1:
-            raise APIError(400, "tree_speculative with K_branches > 1 is not available in this build yet; "
-                           "K_branches = 1 (chain mode) is", param="K_branches")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class Request:
     """One API request in flight: its prompts, choices and timing."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], n: int, params: list[SamplingParams],
-                 loops: int | None, stop: list[str], lstrip: bool, draft: tuple[int, int] | None = None,
+                 loops: int | None, stop: list[str], lstrip: bool, draft: tuple[int, int, int] | None = None,
                  mode: str = "generate"):
         self.state = state
         self.started = time.perf_counter()
@@ -185,7 +185,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-def _extras(req: OpenAISampling) -> tuple[float, int | None, tuple[int, int] | None]:
+def _extras(req: OpenAISampling) -> tuple[float, int | None, tuple[int, int, int] | None]:
     """(repetition_penalty, loops, draft) — the /api/v0 knobs; speculative modes verify at verify_loops."""
     if isinstance(req, LMStudioExtras):
         draft = req.draft()
@@ -304,7 +304,7 @@ def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, s
                             repetition_penalty=req.repetition_penalty, seed=req.sample_seed,
                             max_tokens=req.max_tokens, stop_token_ids=stop_ids)
     if isinstance(req, SpeculativeRequest):
-        draft = (req.draft_loops, req.draft_ahead)
+        draft = (req.draft_loops, req.draft_ahead, getattr(req, "K_branches", 1))
         r = Request(state, [prompt], 1, [params], req.verify_loops, stop_text, False, draft, req.mode)
         return r, req.mode, req.verify_loops
     return Request(state, [prompt], 1, [params], req.loops, stop_text, False), "generate", req.loops

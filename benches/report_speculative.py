@@ -1,0 +1,47 @@
+"""Table (markdown, stdout) and plot of benches/bench_speculative.py results: speed relative to plain decoding
+measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(path: str, plot_path: str | None = None) -> None:
+    rows = []
+    plain = None
+    for b in json.load(open(path))["benchmarks"]:
+        e = b["extra_info"]
+        tps = e["tokens"] / b["stats"]["min"]
+        if e["draft_loops"] == 0:
+            plain = tps
+        else:
+            rows.append((e["draft_loops"], e["draft_ahead"], tps, e["accepted"] / max(1, e["rounds"]),
+                         e["accepted"] / max(1, e["proposed"])))
+    assert plain is not None, "the run has no plain baseline"
+    print(f"plain decoding at verify_loops 8: {plain:.1f} tok/s\n")
+    print("| draft_loops | draft_ahead | tok/s | × plain | accepted per round | acceptance rate |")
+    print("|---|---|---|---|---|---|")
+    for d, k, tps, per_round, rate in sorted(rows):
+        print(f"| {d} | {k} | {tps:.1f} | {tps / plain:.2f} | {per_round:.2f} | {rate:.2f} |")
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k in sorted({r[1] for r in rows}):
+            pts = sorted((d, tps / plain) for d, kk, tps, _, _ in rows if kk == k)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"draft_ahead {k}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("draft_loops")
+        ax.set_ylabel("speed vs plain decoding (verify_loops 8)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=110)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
