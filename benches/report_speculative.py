@@ -16,14 +16,14 @@ def main(path: str, plot_path: str | None = None) -> None:
         if e["draft_loops"] == 0:
             plain = tps
         else:
-            rows.append((e["draft_loops"], e["draft_ahead"], tps, e["accepted"] / max(1, e["rounds"]),
-                         e["accepted"] / max(1, e["proposed"])))
+            rows.append((e["draft_loops"], e["draft_ahead"], e.get("k_branches", 1), tps,
+                         e["accepted"] / max(1, e["rounds"]), e["accepted"] / max(1, e["proposed"])))
     assert plain is not None, "the run has no plain baseline"
     print(f"plain decoding at verify_loops 8: {plain:.1f} tok/s\n")
-    print("| draft_loops | draft_ahead | tok/s | × plain | accepted per round | acceptance rate |")
-    print("|---|---|---|---|---|---|")
-    for d, k, tps, per_round, rate in sorted(rows):
-        print(f"| {d} | {k} | {tps:.1f} | {tps / plain:.2f} | {per_round:.2f} | {rate:.2f} |")
+    print("| draft_loops | draft_ahead | K_branches | tok/s | × plain | accepted per round | acceptance rate |")
+    print("|---|---|---|---|---|---|---|")
+    for d, k, b, tps, per_round, rate in sorted(rows, key=lambda r: (r[2], r[0], r[1])):
+        print(f"| {d} | {k} | {b} | {tps:.1f} | {tps / plain:.2f} | {per_round:.2f} | {rate:.2f} |")
     if plot_path:
         import matplotlib
 
@@ -32,8 +32,11 @@ def main(path: str, plot_path: str | None = None) -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for k in sorted({r[1] for r in rows}):
-            pts = sorted((d, tps / plain) for d, kk, tps, _, _ in rows if kk == k)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"draft_ahead {k}")
+            pts = sorted((d, tps / plain) for d, kk, b, tps, _, _ in rows if kk == k and b == 1)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"chain, draft_ahead {k}")
+        for b in sorted({r[2] for r in rows if r[2] > 1}):
+            pts = sorted((d, tps / plain) for d, kk, bb, tps, _, _ in rows if bb == b and kk == 4)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", label=f"tree K={b}, draft_ahead 4")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xlabel("draft_loops")
         ax.set_ylabel("speed vs plain decoding (verify_loops 8)")

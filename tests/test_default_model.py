@@ -47,3 +47,22 @@ def test_default_model_is_what_the_server_loads():
     assert DEFAULT_MODEL == DEFAULT and DEFAULT.stat().st_size <= 32_000_000
     info = tinyloop.Engine(DEFAULT).info
     assert (info.vocab_size, info.default_loops) == (50257, 8)
+
+
+def test_speculative_greedy_equals_plain_on_the_default_model():
+    import random
+
+    from tinyloop import SamplingParams
+
+    engine = tinyloop.Engine(DEFAULT)
+    rng = random.Random(0)
+    text = SAMPLE.read_text().split()
+    settings = [((2, 4), 1), ((1, 3), 1), ((3, 6), 1), ((2, 4), 3), ((1, 2), 4)]
+    for i in range(50):
+        start = rng.randrange(len(text) - 20)
+        prompt = " ".join(text[start : start + rng.randint(1, 20)])
+        draft, branches = settings[i % len(settings)]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        plain = engine.generate(prompt, params, loops=8)
+        spec = engine.generate(prompt, params, loops=8, draft=draft, k_branches=branches)
+        assert spec.tokens == plain.tokens, (prompt, draft, branches)
