@@ -158,7 +158,7 @@ def main() -> int:
           flush=True)
     weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for p in model.parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))

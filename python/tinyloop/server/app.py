@@ -8,7 +8,6 @@ TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 
@@ -18,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .._core import Engine, EngineError, TinyloopError
-from ..errors import APIError, error_body
+from ..errors import APIError
 from . import serving
 from .config import ServerConfig
 from .metrics import Metrics
