@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::ensure_arg;
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvKind};
 use crate::loader::{self, Config, MAX_LOOPS};
 use crate::model::{LogitRows, Model, SeqChunk};
 use crate::sampler::{Sampler, SamplingParams};
@@ -45,10 +45,25 @@ pub struct Engine {
     pub quant: String,
     /// Longest sequence (prompt + output) a request may use.
     pub max_seq_len: usize,
+    /// "fp16" or "int8" (the API's names).
+    pub kv_cache_mode: String,
+}
+
+/// KV-cache modes by the API's names ("int4" and "int4-h" are not built yet).
+pub fn kv_kind_for_mode(mode: &str, default: KvKind) -> Result<KvKind> {
+    match mode {
+        "fp16" => Ok(default),
+        "int8" => Ok(KvKind::Int8),
+        other => Err(Error::InvalidArgument(format!("KV cache mode {other:?} is not available; use \"fp16\" or \"int8\""))),
+    }
 }
 
 impl Engine {
     pub fn load(path: &Path, max_seq_len: Option<usize>) -> Result<Self> {
+        Self::load_with_kv(path, max_seq_len, "fp16")
+    }
+
+    pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
         let file = loader::load(path)?;
         let tokenizer = Tokenizer::from_vocab(&file.vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),
@@ -58,8 +73,10 @@ impl Engine {
         let quant = file.quant.clone();
         let max_seq_len = max_seq_len.unwrap_or(file.config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
-        let model = Model::new(file)?;
-        Ok(Self { model, tokenizer, quant, max_seq_len })
+        let mut model = Model::new(file)?;
+        let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind())?;
+        model.set_kv_kind(kind);
+        Ok(Self { model, tokenizer, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
     }
 
     pub fn config(&self) -> &Config {

@@ -2,8 +2,10 @@
 //! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
 //! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
 //!
-//! Element type: f32 for models whose weights are F32, f16 for every other model (the reference's "fp16" mode).
-//! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products.
+//! Element types: f32 for models whose weights are F32 and f16 for every other model (together the reference's
+//! "fp16" mode), or int8 ("int8": symmetric, one f32 scale per token and KV head, `x ≈ scale · q`, `q ∈ [-127, 127]`).
+//! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products;
+//! int8 scales are `[kv_head][position]`.
 
 use half::f16;
 use rayon::prelude::*;
@@ -14,20 +16,61 @@ use crate::error::{Error, Result};
 pub enum KvKind {
     F32,
     F16,
+    Int8,
 }
 
 impl KvKind {
-    pub fn bytes_per_value(self) -> usize {
+    /// Bytes one token takes in one (K or V) head row of `head_dim` values, scale included.
+    pub fn bytes_per_row(self, head_dim: usize) -> usize {
         match self {
-            KvKind::F32 => 4,
-            KvKind::F16 => 2,
+            KvKind::F32 => 4 * head_dim,
+            KvKind::F16 => 2 * head_dim,
+            KvKind::Int8 => head_dim + 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvKind::F32 => "f32",
+            KvKind::F16 => "f16",
+            KvKind::Int8 => "int8",
         }
     }
 }
 
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
+    /// Whether rows carry a scale (`value = scale · element`).
+    const SCALED: bool = false;
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// Store one head row; returns its scale (1 for unscaled types).
+    fn encode_row(row: &[f32], out: &mut [Self]) -> f32 {
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o = Self::from_f32(x);
+        }
+        1.0
+    }
+}
+
+impl KvElem for i8 {
+    const SCALED: bool = true;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x.round().clamp(-127.0, 127.0) as i8
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn encode_row(row: &[f32], out: &mut [Self]) -> f32 {
+        let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o = Self::from_f32(x * inv);
+        }
+        scale
+    }
 }
 
 impl KvElem for f32 {
@@ -55,12 +98,34 @@ impl KvElem for f16 {
 struct Slot<T> {
     k: Vec<T>,
     v: Vec<T>,
+    /// Per (kv_head, position) scales of K and V; empty for unscaled element types.
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
     len: usize,
+}
+
+impl<T: KvElem> Slot<T> {
+    fn new(heads: usize, cap: usize, hd: usize) -> Self {
+        let scales = if T::SCALED { heads * cap } else { 0 };
+        Self { k: vec![T::default(); heads * cap * hd], v: vec![T::default(); heads * cap * hd],
+               k_scale: vec![0.0; scales], v_scale: vec![0.0; scales], len: 0 }
+    }
 }
 
 enum SlotBuf {
     F32(Slot<f32>),
     F16(Slot<f16>),
+    I8(Slot<i8>),
+}
+
+macro_rules! each_slot {
+    ($buf:expr, $s:ident => $body:expr) => {
+        match $buf {
+            SlotBuf::F32($s) => $body,
+            SlotBuf::F16($s) => $body,
+            SlotBuf::I8($s) => $body,
+        }
+    };
 }
 
 /// Shape of attention for one call: `n_heads` query heads share `n_kv_heads` K/V heads (GQA).
@@ -94,8 +159,7 @@ impl KvCache {
     /// Positions held by `slot` (0 if never written).
     pub fn slot_len(&self, slot: usize) -> usize {
         match self.slots.get(slot) {
-            Some(Some(SlotBuf::F32(s))) => s.len,
-            Some(Some(SlotBuf::F16(s))) => s.len,
+            Some(Some(buf)) => each_slot!(buf, s => s.len),
             _ => 0,
         }
     }
@@ -103,16 +167,13 @@ impl KvCache {
     /// Roll every slot back to at most `len` positions. Nothing is freed; later writes overwrite in place.
     pub fn truncate(&mut self, len: usize) {
         for slot in self.slots.iter_mut().flatten() {
-            match slot {
-                SlotBuf::F32(s) => s.len = s.len.min(len),
-                SlotBuf::F16(s) => s.len = s.len.min(len),
-            }
+            each_slot!(slot, s => s.len = s.len.min(len));
         }
     }
 
     /// Bytes of K/V holding live positions (what the metrics report).
     pub fn bytes_in_use(&self) -> usize {
-        let per_pos = 2 * self.shape.n_kv_heads * self.shape.head_dim * self.kind.bytes_per_value();
+        let per_pos = 2 * self.shape.n_kv_heads * self.kind.bytes_per_row(self.shape.head_dim);
         (0..self.slots.len()).map(|s| self.slot_len(s) * per_pos).sum()
     }
 
@@ -145,16 +206,13 @@ impl KvCache {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
         let (cap, shape) = (self.capacity, self.shape);
-        let size = cap * kvw;
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
         let buf = entry.get_or_insert_with(|| match self.kind {
-            KvKind::F32 => SlotBuf::F32(Slot { k: vec![0.0; size], v: vec![0.0; size], len: 0 }),
-            KvKind::F16 => SlotBuf::F16(Slot { k: vec![f16::ZERO; size], v: vec![f16::ZERO; size], len: 0 }),
+            KvKind::F32 => SlotBuf::F32(Slot::new(n_kv_heads, cap, head_dim)),
+            KvKind::F16 => SlotBuf::F16(Slot::new(n_kv_heads, cap, head_dim)),
+            KvKind::Int8 => SlotBuf::I8(Slot::new(n_kv_heads, cap, head_dim)),
         });
-        match buf {
-            SlotBuf::F32(s) => s.write_and_attend(shape, cap, layout, k, v, q, out),
-            SlotBuf::F16(s) => s.write_and_attend(shape, cap, layout, k, v, q, out),
-        }
+        each_slot!(buf, s => s.write_and_attend(shape, cap, layout, k, v, q, out));
         Ok(())
     }
 
@@ -163,10 +221,7 @@ impl KvCache {
         let width = self.shape.head_dim;
         let (heads, cap) = (self.shape.n_kv_heads, self.capacity);
         for slot in self.slots.iter_mut().flatten() {
-            match slot {
-                SlotBuf::F32(s) => s.move_position(heads, cap, width, from, to),
-                SlotBuf::F16(s) => s.move_position(heads, cap, width, from, to),
-            }
+            each_slot!(slot, s => s.move_position(heads, cap, width, from, to));
         }
     }
 }
@@ -186,23 +241,27 @@ impl<T: KvElem> Slot<T> {
             for g in 0..n_kv_heads {
                 let src = (i * n_kv_heads + g) * hd;
                 let dst = (g * cap + at) * hd;
-                for d in 0..hd {
-                    self.k[dst + d] = T::from_f32(k[src + d]);
-                    self.v[dst + d] = T::from_f32(v[src + d]);
+                let ks = T::encode_row(&k[src..src + hd], &mut self.k[dst..dst + hd]);
+                let vs = T::encode_row(&v[src..src + hd], &mut self.v[dst..dst + hd]);
+                if T::SCALED {
+                    self.k_scale[g * cap + at] = ks;
+                    self.v_scale[g * cap + at] = vs;
                 }
             }
         }
         self.len = layout.store.iter().max().map_or(self.len, |m| m + 1);
         let group = n_heads / n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let (ks, vs) = (&self.k, &self.v);
+        let (ks, vs, kss, vss) = (&self.k, &self.v, &self.k_scale, &self.v_scale);
         const NONE: &[usize] = &[];
         // One task per (row, head); each writes its own head_dim-wide piece of `out`.
         let task = |(idx, o): (usize, &mut [f32])| {
             let (i, h) = (idx / n_heads, idx % n_heads);
             let base = (h / group) * cap * hd;
             let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
-            let head = (&ks[base..base + cap * hd], &vs[base..base + cap * hd]);
+            let g = h / group;
+            let scales = if T::SCALED { Some((&kss[g * cap..(g + 1) * cap], &vss[g * cap..(g + 1) * cap])) } else { None };
+            let head = (&ks[base..base + cap * hd], &vs[base..base + cap * hd], scales);
             attend_one(&q[idx * hd..(idx + 1) * hd], head, layout.prefix[i], extra, hd, scale, o);
         };
         let work: usize = layout.prefix.iter().sum::<usize>() * n_heads * hd;
@@ -221,15 +280,23 @@ impl<T: KvElem> Slot<T> {
             let (src, dst) = ((g * cap + from) * hd, (g * cap + to) * hd);
             self.k.copy_within(src..src + hd, dst);
             self.v.copy_within(src..src + hd, dst);
+            if T::SCALED {
+                self.k_scale[g * cap + to] = self.k_scale[g * cap + from];
+                self.v_scale[g * cap + to] = self.v_scale[g * cap + from];
+            }
         }
     }
 }
 
+/// One KV head's keys and values, `[position][head_dim]`, and their per-position scales for scaled types.
+type HeadView<'a, T> = (&'a [T], &'a [T], Option<(&'a [f32], &'a [f32])>);
+
 /// softmax(q·Kᵀ·scale)·V for one query row over key indices `0..prefix` and `extra`, accumulated in f32.
-/// `head` holds one KV head's keys and values, `[position][head_dim]`.
-fn attend_one<T: KvElem>(q: &[f32], head: (&[T], &[T]), prefix: usize, extra: &[usize], hd: usize, scale: f32, out: &mut [f32]) {
-    let (keys, values) = head;
-    let dot = |t: usize| keys[t * hd..(t + 1) * hd].iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale;
+fn attend_one<T: KvElem>(q: &[f32], head: HeadView<T>, prefix: usize, extra: &[usize], hd: usize, scale: f32, out: &mut [f32]) {
+    let (keys, values, scales) = head;
+    let k_scale = |t: usize| scales.map_or(1.0, |s| s.0[t]);
+    let v_scale = |t: usize| scales.map_or(1.0, |s| s.1[t]);
+    let dot = |t: usize| keys[t * hd..(t + 1) * hd].iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale * k_scale(t);
     let index = |j: usize| if j < prefix { j } else { extra[j - prefix] };
     let mut scores: Vec<f32> = (0..prefix + extra.len()).map(|j| dot(index(j))).collect();
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -240,8 +307,8 @@ fn attend_one<T: KvElem>(q: &[f32], head: (&[T], &[T]), prefix: usize, extra: &[
     }
     out.fill(0.0);
     for (j, p) in scores.iter().enumerate() {
-        let w = p / sum;
         let t = index(j);
+        let w = p / sum * v_scale(t);
         for (o, x) in out.iter_mut().zip(&values[t * hd..(t + 1) * hd]) {
             *o += w * x.to_f32();
         }

@@ -117,6 +117,11 @@ impl Model {
         self.kv_kind
     }
 
+    /// Store K/V as `kind` in caches made from now on (the "fp16" default is f32 for F32 models, else f16).
+    pub fn set_kv_kind(&mut self, kind: KvKind) {
+        self.kv_kind = kind;
+    }
+
     /// A fresh cache for one sequence of up to `capacity` positions (memory is touched only as it fills).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let shape = AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };

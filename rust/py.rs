@@ -128,6 +128,7 @@ struct ModelInfo {
     max_seq_len: usize,
     quant: String,
     kv_dtype: String,
+    kv_cache_mode: String,
 }
 
 #[pymethods]
@@ -280,9 +281,9 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, max_seq_len=None))]
-    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>) -> PyResult<Self> {
-        let inner = detached(py, || RsEngine::load(&path, max_seq_len))?;
+    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16"))]
+    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>, kv_cache_mode: &str) -> PyResult<Self> {
+        let inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
         Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
     }
 
@@ -309,7 +310,8 @@ impl Engine {
             context_length: c.context_length,
             max_seq_len: self.inner.max_seq_len,
             quant: self.inner.quant.clone(),
-            kv_dtype: format!("{:?}", self.inner.model.kv_kind()).to_lowercase(),
+            kv_dtype: self.inner.model.kv_kind().name().to_string(),
+            kv_cache_mode: self.inner.kv_cache_mode.clone(),
         }
     }
 

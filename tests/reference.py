@@ -32,6 +32,16 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
+def kv_round(x: np.ndarray, kv_dtype) -> np.ndarray:
+    """K/V as the cache stores them: a float dtype, or "int8" (symmetric, one scale per token and head)."""
+    if isinstance(kv_dtype, str) and kv_dtype == "int8":
+        scale = (np.abs(x).max(axis=-1, keepdims=True) / 127.0).astype(np.float32).astype(np.float64)
+        inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+        q = np.clip(np.trunc(x * inv + np.copysign(0.5, x)), -127, 127)
+        return q * scale
+    return x.astype(kv_dtype).astype(np.float64)
+
+
 def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
     """Quantize rows to Q8_0 (per 32 values: scale = max|x|/127 stored as f16, round half away from zero)."""
     blocks = x.reshape(-1, 32)
@@ -53,8 +63,7 @@ def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_
     q = rope((h @ w[f"{p}.attn_q.weight"].T).reshape(T, H, hd), pos, cfg.rope_theta)
     k = rope((h @ w[f"{p}.attn_k.weight"].T).reshape(T, KV, hd), pos, cfg.rope_theta)
     v = (h @ w[f"{p}.attn_v.weight"].T).reshape(T, KV, hd)
-    k = k.astype(kv_dtype).astype(np.float64)
-    v = v.astype(kv_dtype).astype(np.float64)
+    k, v = kv_round(k, kv_dtype), kv_round(v, kv_dtype)
     group = H // KV
     out = np.empty((T, H, hd))
     causal = np.tril(np.ones((T, T), dtype=bool))

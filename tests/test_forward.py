@@ -134,3 +134,40 @@ def test_score_reads_every_depth_in_one_pass(tiny):
         assert argmax == list(want.argmax(1))
     with pytest.raises(tinyloop.InvalidRequestError, match="ascending"):
         engine.score(PROMPT, [3, 1])
+
+
+# int8 KV: the reference rounds K and V per (token, head) exactly as the cache does; what remains is f32 vs f64
+# arithmetic in the scale and the occasional value on a rounding boundary (one step of max|x|/127), so the bound is
+# 1e-3 of the logit range. Against the unrounded reference the int8 cache is off by much more (checked below).
+@pytest.mark.parametrize("loops", [1, 3, 8])
+def test_int8_kv_matches_reference(tiny, loops):
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode="int8")
+    assert (engine.info.kv_cache_mode, engine.info.kv_dtype) == ("int8", "int8")
+    seq = engine.sequence()
+    got = np.frombuffer(seq.feed(PROMPT, loops), dtype=np.float32).reshape(len(PROMPT), -1)
+    want = ref_forward(tiny.cfg, tiny.weights, PROMPT, loops, kv_dtype="int8")
+    assert rel_err(got, want) <= 1e-3
+    assert rel_err(got, ref_forward(tiny.cfg, tiny.weights, PROMPT, loops)) > 3 * rel_err(got, want)
+    cfg = tiny.cfg
+    per_token = (cfg.prelude_count + loops * cfg.block_count) * 2 * cfg.n_kv_heads * (cfg.head_dim + 4)
+    assert seq.kv_bytes == len(PROMPT) * per_token
+
+
+def test_int8_kv_decode_equals_prefill(tiny):
+    full = engine_logits_kv(tiny.path, PROMPT, 3, [len(PROMPT)])
+    stepwise = engine_logits_kv(tiny.path, PROMPT, 3, [4] + [1] * (len(PROMPT) - 4))
+    np.testing.assert_allclose(stepwise, full, rtol=0, atol=1e-4 * np.abs(full).max())
+
+
+def engine_logits_kv(path, tokens, loops, chunks):
+    seq = tinyloop.Engine(path, kv_cache_mode="int8").sequence()
+    out, start = [], 0
+    for n in chunks:
+        out.append(np.frombuffer(seq.feed(tokens[start : start + n], loops), dtype=np.float32))
+        start += n
+    return np.concatenate(out).reshape(len(tokens), -1)
+
+
+def test_unknown_kv_mode_is_rejected(tiny):
+    with pytest.raises(tinyloop.InvalidRequestError, match="int4"):
+        tinyloop.Engine(tiny.path, kv_cache_mode="int4")

@@ -34,8 +34,14 @@ def test_failed_model_load_still_serves_503(tmp_path):
         assert client.models.list().data[0].id == str(bad)
 
 
+def test_int8_kv_mode_from_the_environment(tiny):
+    with running_server(tiny.path, env={"TINYLOOP_KV_INT8": "1"}) as base:
+        r = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.json()["model_info"]["kv_cache_mode"] == "int8" and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_unavailable_kv_mode_is_a_clear_load_error(tiny):
-    with running_server(tiny.path, env={"TINYLOOP_KV_INT8": "1"}, expect_health=503) as base:
-        assert "int8" in httpx.get(f"{base}/health").json()["reason"]
+    with running_server(tiny.path, env={"TINYLOOP_KV_INT4": "1"}, expect_health=503) as base:
+        assert "int4" in httpx.get(f"{base}/health").json()["reason"]
     with running_server(tiny.path, env={"TINYLOOP_KV_H_MODE": "1"}, expect_health=503) as base:
         assert "TINYLOOP_KV_INT4" in httpx.get(f"{base}/health").json()["reason"]

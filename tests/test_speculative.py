@@ -164,3 +164,13 @@ def test_tree_limits(tiny_engine):
         tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(2, 9), k_branches=8)
     with pytest.raises(tinyloop.InvalidRequestError, match="greedy-only"):
         tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2), k_branches=2)
+
+
+def test_speculative_equals_plain_with_int8_kv(tiny):
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode="int8")
+    for i, prompt in enumerate(prompts(20, seed=21)):
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        plain = engine.generate(prompt, params, loops=6)
+        chain = engine.generate(prompt, params, loops=6, draft=(2, 3))
+        tree = engine.generate(prompt, params, loops=6, draft=(2, 3), k_branches=3)
+        assert chain.tokens == plain.tokens == tree.tokens, (i, prompt)

@@ -70,6 +70,7 @@ class ModelInfo:
     max_seq_len: int
     quant: str
     kv_dtype: str
+    kv_cache_mode: str
 
 class Generation:
     tokens: list[int]
@@ -104,7 +105,9 @@ class Sequence:
     def kv_bytes(self) -> int: ...
 
 class Engine:
-    def __init__(self, path: str | PathLike[str], max_seq_len: int | None = None) -> None: ...
+    def __init__(
+        self, path: str | PathLike[str], max_seq_len: int | None = None, kv_cache_mode: str = "fp16"
+    ) -> None: ...
     @property
     def path(self) -> str: ...
     @property

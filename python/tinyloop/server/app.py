@@ -54,7 +54,7 @@ def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
     error = cfg.kv_mode_error()
     if error is None:
         try:
-            engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len)
+            engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
             runner = EngineRunner(engine, metrics, max_running=cfg.max_running)
         except TinyloopError as e:
             error = str(e)

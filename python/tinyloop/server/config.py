@@ -52,8 +52,8 @@ class ServerConfig:
     def kv_mode_error(self) -> str | None:
         if self.kv_h_mode and not self.kv_int4:
             return "TINYLOOP_KV_H_MODE=1 needs TINYLOOP_KV_INT4=1 (the Hadamard mode rotates the int4 cache)"
-        if self.kv_cache_mode() != "fp16":
-            return f"KV cache mode {self.kv_cache_mode()!r} is not available in this build yet (only fp16)"
+        if self.kv_cache_mode() not in ("fp16", "int8"):
+            return f"KV cache mode {self.kv_cache_mode()!r} is not available in this build yet (fp16 and int8 are)"
         return None
 
 
