@@ -20,7 +20,8 @@ ENV_HELP = """environment variables:
   TINYLOOP_MAX_RUNNING        requests generated at once; more wait in a queue (default 16)
   TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
                               KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
-                              none -> fp16; this build serves fp16 only and reports any other as a load error
+                              none -> fp16; this build serves fp16 and int8, and reports int4 / int4-h
+                              as a load error
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
 """
 
