@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 
 
@@ -23,17 +24,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine(args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
-    pending = b""
+    # Whole characters only: bytes of a character split across tokens wait for the rest; invalid ones become U+FFFD.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     for step in engine.stream(args.prompt, params, loops=args.loops):
-        pending += step.bytes
-        try:
-            sys.stdout.write(pending.decode("utf-8"))
-            pending = b""
-        except UnicodeDecodeError:
-            continue  # a character split across tokens: wait for the rest
+        sys.stdout.write(decoder.decode(step.bytes))
         sys.stdout.flush()
-    sys.stdout.write(pending.decode("utf-8", errors="replace") + "\n")
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     return 0
 
 
