@@ -219,7 +219,16 @@ def gauge(server, name):
     return httpx.get(f"{server}/metrics/json", timeout=5).json()[name]
 
 
+def wait_until(cond, what: str, seconds: float = 10.0) -> None:
+    deadline = time.time() + seconds
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
 def test_disconnect_cancels_the_generation(server, client):
+    # Streams that earlier tests left are cancelled when the server next writes to them: let them go first.
+    wait_until(lambda: gauge(server, "tinyloop_requests_running") == 0, "earlier requests still running")
     body = {"prompt": "x", "max_tokens": 250, "stream": True, "loops": 64}
     before = gauge(server, "tinyloop_generation_tokens_total")
     with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as r:
@@ -228,10 +237,7 @@ def test_disconnect_cancels_the_generation(server, client):
         for _ in range(3):
             next(lines)
         assert gauge(server, "tinyloop_requests_running") == 1
-    deadline = time.time() + 10
-    while gauge(server, "tinyloop_requests_running") != 0:
-        assert time.time() < deadline, "generation kept running after the client left"
-        time.sleep(0.05)
+    wait_until(lambda: gauge(server, "tinyloop_requests_running") == 0, "generation kept running after the client left")
     assert gauge(server, "tinyloop_generation_tokens_total") - before < 100  # stopped early, not run to 250
     assert client.completions.create(model="m", prompt="next", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
