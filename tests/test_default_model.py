@@ -49,12 +49,13 @@ def test_default_model_is_what_the_server_loads():
     assert (info.vocab_size, info.default_loops) == (50257, 8)
 
 
-def test_speculative_greedy_equals_plain_on_the_default_model():
+@pytest.mark.parametrize("kv_cache_mode", ["fp16", "int8"])
+def test_speculative_greedy_equals_plain_on_the_default_model(kv_cache_mode):
     import random
 
     from tinyloop import SamplingParams
 
-    engine = tinyloop.Engine(DEFAULT)
+    engine = tinyloop.Engine(DEFAULT, kv_cache_mode=kv_cache_mode)
     rng = random.Random(0)
     text = SAMPLE.read_text().split()
     settings = [((2, 4), 1), ((1, 3), 1), ((3, 6), 1), ((2, 4), 3), ((1, 2), 4)]
@@ -62,7 +63,7 @@ def test_speculative_greedy_equals_plain_on_the_default_model():
         start = rng.randrange(len(text) - 20)
         prompt = " ".join(text[start : start + rng.randint(1, 20)])
         draft, branches = settings[i % len(settings)]
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         plain = engine.generate(prompt, params, loops=8)
         spec = engine.generate(prompt, params, loops=8, draft=draft, k_branches=branches)
         assert spec.tokens == plain.tokens, (prompt, draft, branches)
