@@ -45,17 +45,31 @@ pub struct Engine {
     pub quant: String,
     /// Longest sequence (prompt + output) a request may use.
     pub max_seq_len: usize,
-    /// "fp16" or "int8" (the API's names).
+    /// "fp16", "int8", "int4" or "int4-h" (the API's names).
     pub kv_cache_mode: String,
 }
 
-/// KV-cache modes by the API's names ("int4" and "int4-h" are not built yet).
-pub fn kv_kind_for_mode(mode: &str, default: KvKind) -> Result<KvKind> {
+/// KV-cache modes by the API's names; `default` is the "fp16" kind for the model (f32 for all-F32 weights).
+pub fn kv_kind_for_mode(mode: &str, default: KvKind, head_dim: usize) -> Result<KvKind> {
     match mode {
         "fp16" => Ok(default),
         "int8" => Ok(KvKind::Int8),
-        other => Err(Error::InvalidArgument(format!("KV cache mode {other:?} is not available; use \"fp16\" or \"int8\""))),
+        "int4" => Ok(KvKind::Int4),
+        "int4-h" if head_dim.is_power_of_two() => Ok(KvKind::Int4H),
+        "int4-h" => Err(Error::InvalidArgument(format!(
+            "KV cache mode \"int4-h\" needs a power-of-two head_dim for its Hadamard rotation; this model's is {head_dim}"))),
+        other => Err(Error::InvalidArgument(format!(
+            "unknown KV cache mode {other:?}; one of \"fp16\", \"int8\", \"int4\", \"int4-h\""))),
     }
+}
+
+/// Prompt rows a windowed sequence prefills per pass (bounds the positions one write adds to its cache).
+pub const WINDOW_PREFILL_CHUNK: usize = 64;
+
+/// Positions a sequence with window `w` keeps at a time: the window, the rollback slack, and the most rows one
+/// pass may add (a prefill chunk, or a speculative tree's staged rows).
+pub fn window_capacity(w: usize) -> usize {
+    w + crate::kv::WINDOW_SLACK + WINDOW_PREFILL_CHUNK + crate::spec::MAX_TREE_ROWS + 1
 }
 
 impl Engine {
@@ -74,7 +88,7 @@ impl Engine {
         let max_seq_len = max_seq_len.unwrap_or(file.config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
         let mut model = Model::new(file)?;
-        let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind())?;
+        let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);
         Ok(Self { model, tokenizer, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
     }
@@ -133,7 +147,8 @@ pub struct Generator {
 }
 
 impl Generator {
-    pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, params: SamplingParams, loops: Option<usize>) -> Result<Self> {
+    /// `window > 0` limits attention to the last `window` positions and bounds the cache by it (`cache_window`).
+    pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, params: SamplingParams, loops: Option<usize>, window: usize) -> Result<Self> {
         let loops = loops.unwrap_or(engine.config().default_loops);
         ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
         ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
@@ -148,7 +163,11 @@ impl Generator {
         let sampler = Sampler::new(params, &prompt, vocab, engine.tokenizer.eos_token_id)?;
         // `needed` leaves one spare position (the last output token is never fed back); tree verification may
         // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.
-        let cache = engine.model.new_cache(needed + crate::spec::MAX_TREE_ROWS);
+        let full = needed + crate::spec::MAX_TREE_ROWS;
+        let cache = match window {
+            0 => engine.model.new_cache(full),
+            w => engine.model.new_cache(full.min(window_capacity(w))).with_window(w),
+        };
         Ok(Self {
             engine,
             cache,
@@ -189,9 +208,15 @@ impl Generator {
             Some(t) => vec![t],
             None => self.prompt.clone(),
         };
-        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &feed, tree: None }];
-        let logits = self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?;
-        self.pos += feed.len();
+        // A windowed cache holds a bounded number of positions, so its prompt goes in chunks.
+        let chunk = if self.cache.window() > 0 { WINDOW_PREFILL_CHUNK } else { feed.len() };
+        let mut logits = None;
+        for part in feed.chunks(chunk) {
+            let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: part, tree: None }];
+            logits = Some(self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?);
+            self.pos += part.len();
+        }
+        let logits = logits.ok_or_else(|| Error::Internal("nothing to feed".into()))?;
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
         let token = self.sampler.sample(&mut logits);
         Ok(self.emit(token))

@@ -2,30 +2,44 @@
 //! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
 //! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
 //!
-//! Element types: f32 for models whose weights are F32 and f16 for every other model (together the reference's
-//! "fp16" mode), or int8 ("int8": symmetric, one f32 scale per token and KV head, `x ≈ scale · q`, `q ∈ [-127, 127]`).
+//! Modes (`KvKind`, element formats in `kv_elem.rs`): f32 for models whose weights are F32 and f16 for every other
+//! model (together the API's "fp16"), "int8", "int4", and "int4-h" (int4 after a Hadamard rotation of each head).
 //! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products;
-//! int8 scales are `[kv_head][position]`.
+//! per-row metadata (scales) is `[kv_head][position]`.
+//!
+//! Sliding window (`cache_window = W > 0`): a row at position p attends to positions `p-W+1..=p` only, and a slot
+//! keeps just the positions some future row can still see (plus `WINDOW_SLACK` for speculative rollback): when a
+//! write would run past the capacity, older positions are dropped by moving the live ones to the front (`base` is
+//! the position stored at index 0). RoPE positions stay absolute, since K is stored already rotated.
 
 use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::kv_elem::{hadamard, KvElem, Nibbles};
+
+/// Positions a windowed slot keeps below the oldest one still visible, so that rolling back a speculative round
+/// (at most 64 rows) never needs a dropped key.
+pub const WINDOW_SLACK: usize = 65;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
     F32,
     F16,
     Int8,
+    Int4,
+    /// int4 of Hadamard-rotated head rows.
+    Int4H,
 }
 
 impl KvKind {
-    /// Bytes one token takes in one (K or V) head row of `head_dim` values, scale included.
+    /// Bytes one token takes in one (K or V) head row of `head_dim` values, metadata included.
     pub fn bytes_per_row(self, head_dim: usize) -> usize {
         match self {
             KvKind::F32 => 4 * head_dim,
             KvKind::F16 => 2 * head_dim,
             KvKind::Int8 => head_dim + 4,
+            KvKind::Int4 | KvKind::Int4H => head_dim / 2 + 4,
         }
     }
 
@@ -34,81 +48,28 @@ impl KvKind {
             KvKind::F32 => "f32",
             KvKind::F16 => "f16",
             KvKind::Int8 => "int8",
+            KvKind::Int4 => "int4",
+            KvKind::Int4H => "int4-h",
         }
     }
 }
 
-pub trait KvElem: Copy + Send + Sync + Default + 'static {
-    /// Whether rows carry a scale (`value = scale · element`).
-    const SCALED: bool = false;
-    fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
-    /// Store one head row; returns its scale (1 for unscaled types).
-    fn encode_row(row: &[f32], out: &mut [Self]) -> f32 {
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o = Self::from_f32(x);
-        }
-        1.0
-    }
-}
-
-impl KvElem for i8 {
-    const SCALED: bool = true;
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x.round().clamp(-127.0, 127.0) as i8
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn encode_row(row: &[f32], out: &mut [Self]) -> f32 {
-        let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let scale = amax / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o = Self::from_f32(x * inv);
-        }
-        scale
-    }
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl KvElem for f16 {
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-}
-
-struct Slot<T> {
+struct Slot<T: KvElem> {
     k: Vec<T>,
     v: Vec<T>,
-    /// Per (kv_head, position) scales of K and V; empty for unscaled element types.
-    k_scale: Vec<f32>,
-    v_scale: Vec<f32>,
+    k_meta: Vec<T::Meta>,
+    v_meta: Vec<T::Meta>,
+    /// Position stored at index 0 (> 0 only once a window has dropped older positions).
+    base: usize,
+    /// One past the last position held.
     len: usize,
 }
 
 impl<T: KvElem> Slot<T> {
     fn new(heads: usize, cap: usize, hd: usize) -> Self {
-        let scales = if T::SCALED { heads * cap } else { 0 };
-        Self { k: vec![T::default(); heads * cap * hd], v: vec![T::default(); heads * cap * hd],
-               k_scale: vec![0.0; scales], v_scale: vec![0.0; scales], len: 0 }
+        let n = heads * cap * hd / T::PACK;
+        Self { k: vec![T::default(); n], v: vec![T::default(); n], k_meta: vec![T::Meta::default(); heads * cap],
+               v_meta: vec![T::Meta::default(); heads * cap], base: 0, len: 0 }
     }
 }
 
@@ -116,6 +77,7 @@ enum SlotBuf {
     F32(Slot<f32>),
     F16(Slot<f16>),
     I8(Slot<i8>),
+    I4(Slot<Nibbles>),
 }
 
 macro_rules! each_slot {
@@ -124,6 +86,7 @@ macro_rules! each_slot {
             SlotBuf::F32($s) => $body,
             SlotBuf::F16($s) => $body,
             SlotBuf::I8($s) => $body,
+            SlotBuf::I4($s) => $body,
         }
     };
 }
@@ -140,12 +103,20 @@ pub struct KvCache {
     kind: KvKind,
     shape: AttnShape,
     capacity: usize,
+    /// Sliding window W (0: every earlier position is visible).
+    window: usize,
     slots: Vec<Option<SlotBuf>>,
 }
 
 impl KvCache {
     pub fn new(kind: KvKind, shape: AttnShape, capacity: usize, n_slots: usize) -> Self {
-        Self { kind, shape, capacity, slots: (0..n_slots).map(|_| None).collect() }
+        Self { kind, shape, capacity, window: 0, slots: (0..n_slots).map(|_| None).collect() }
+    }
+
+    /// Restrict attention to the last `window` positions (0: no window) and let slots drop older ones.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = window;
+        self
     }
 
     pub fn kind(&self) -> KvKind {
@@ -156,7 +127,11 @@ impl KvCache {
         self.capacity
     }
 
-    /// Positions held by `slot` (0 if never written).
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Positions held by `slot` (0 if never written): one past the last, counting dropped ones.
     pub fn slot_len(&self, slot: usize) -> usize {
         match self.slots.get(slot) {
             Some(Some(buf)) => each_slot!(buf, s => s.len),
@@ -167,14 +142,17 @@ impl KvCache {
     /// Roll every slot back to at most `len` positions. Nothing is freed; later writes overwrite in place.
     pub fn truncate(&mut self, len: usize) {
         for slot in self.slots.iter_mut().flatten() {
-            each_slot!(slot, s => s.len = s.len.min(len));
+            each_slot!(slot, s => {
+                debug_assert!(len >= s.base, "rollback below the window's dropped positions");
+                s.len = s.len.min(len).max(s.base)
+            });
         }
     }
 
     /// Bytes of K/V holding live positions (what the metrics report).
     pub fn bytes_in_use(&self) -> usize {
         let per_pos = 2 * self.shape.n_kv_heads * self.kind.bytes_per_row(self.shape.head_dim);
-        (0..self.slots.len()).map(|s| self.slot_len(s) * per_pos).sum()
+        self.slots.iter().flatten().map(|b| each_slot!(b, s => s.len - s.base) * per_pos).sum()
     }
 
     /// Write K/V rows for positions `pos..pos+n` into `slot`, then attend the `n` query rows causally over the slot.
@@ -183,45 +161,47 @@ impl KvCache {
         let n = k.len() / (self.shape.n_kv_heads * self.shape.head_dim).max(1);
         let store: Vec<usize> = (pos..pos + n).collect();
         let visible: Vec<usize> = (pos + 1..=pos + n).collect();
-        self.write_rows_and_attend(slot, &RowLayout { store: &store, prefix: &visible, extra: &[] }, k, v, q, out)
+        let layout = RowLayout { store: &store, prefix: &visible, extra: &[], pos: &store };
+        self.write_rows_and_attend(slot, &layout, k, v, q, out)
     }
 
     /// The general form: row i is stored at index `layout.store[i]` and attends to indices `0..layout.prefix[i]`
-    /// plus `layout.extra[i]` (tree verification: a node sees its ancestors and itself, not its siblings).
+    /// (from `layout.pos[i] - W + 1` with a window) plus `layout.extra[i]` (tree verification: a node sees its
+    /// ancestors and itself, not its siblings).
     pub fn write_rows_and_attend(&mut self, slot: usize, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
         let AttnShape { n_heads, n_kv_heads, head_dim } = self.shape;
         let kvw = n_kv_heads * head_dim;
         let n = layout.store.len();
         if n == 0 || k.len() != n * kvw || v.len() != k.len() || q.len() != n * n_heads * head_dim || out.len() != q.len()
-            || layout.prefix.len() != n || !(layout.extra.is_empty() || layout.extra.len() == n)
+            || layout.prefix.len() != n || layout.pos.len() != n || !(layout.extra.is_empty() || layout.extra.len() == n)
         {
             return Err(Error::Internal(format!("attention: bad row shapes for slot {slot}")));
         }
         let (lo, hi) = (layout.store.iter().min().copied().unwrap_or(0), layout.store.iter().max().copied().unwrap_or(0));
-        if hi >= self.capacity {
+        if self.window == 0 && hi >= self.capacity {
             return Err(Error::ContextLength { needed: hi + 1, limit: self.capacity });
         }
         let have = self.slot_len(slot);
         if lo > have {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
-        let (cap, shape) = (self.capacity, self.shape);
+        let ctx = Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H };
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
+        let (heads, cap) = (n_kv_heads, self.capacity);
         let buf = entry.get_or_insert_with(|| match self.kind {
-            KvKind::F32 => SlotBuf::F32(Slot::new(n_kv_heads, cap, head_dim)),
-            KvKind::F16 => SlotBuf::F16(Slot::new(n_kv_heads, cap, head_dim)),
-            KvKind::Int8 => SlotBuf::I8(Slot::new(n_kv_heads, cap, head_dim)),
+            KvKind::F32 => SlotBuf::F32(Slot::new(heads, cap, head_dim)),
+            KvKind::F16 => SlotBuf::F16(Slot::new(heads, cap, head_dim)),
+            KvKind::Int8 => SlotBuf::I8(Slot::new(heads, cap, head_dim)),
+            KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new(heads, cap, head_dim)),
         });
-        each_slot!(buf, s => s.write_and_attend(shape, cap, layout, k, v, q, out));
-        Ok(())
+        each_slot!(buf, s => s.write_and_attend(ctx, layout, k, v, q, out))
     }
 
-    /// Move the K/V stored at index `from` to index `to` in every slot that holds it (tree compaction).
+    /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
     pub fn move_position(&mut self, from: usize, to: usize) {
-        let width = self.shape.head_dim;
-        let (heads, cap) = (self.shape.n_kv_heads, self.capacity);
+        let (heads, cap, hd) = (self.shape.n_kv_heads, self.capacity, self.shape.head_dim);
         for slot in self.slots.iter_mut().flatten() {
-            each_slot!(slot, s => s.move_position(heads, cap, width, from, to));
+            each_slot!(slot, s => s.move_position(heads, cap, hd, from, to));
         }
     }
 }
@@ -231,74 +211,126 @@ pub struct RowLayout<'a> {
     pub store: &'a [usize],
     pub prefix: &'a [usize],
     pub extra: &'a [Vec<usize>],
+    /// Each row's RoPE position (where its window starts from).
+    pub pos: &'a [usize],
+}
+
+#[derive(Clone, Copy)]
+struct Ctx {
+    shape: AttnShape,
+    cap: usize,
+    window: usize,
+    rotate: bool,
 }
 
 impl<T: KvElem> Slot<T> {
-    #[allow(clippy::too_many_arguments)]
-    fn write_and_attend(&mut self, shape: AttnShape, cap: usize, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) {
-        let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
+    /// Drop positions below `keep` by moving `keep..len` to the front of every head.
+    fn compact(&mut self, heads: usize, cap: usize, hd: usize, keep: usize) {
+        let (shift, live) = (keep - self.base, self.len - keep);
+        let w = hd / T::PACK;
+        for g in 0..heads {
+            let (src, dst) = ((g * cap + shift) * w, g * cap * w);
+            self.k.copy_within(src..src + live * w, dst);
+            self.v.copy_within(src..src + live * w, dst);
+            let (ms, md) = (g * cap + shift, g * cap);
+            self.k_meta.copy_within(ms..ms + live, md);
+            self.v_meta.copy_within(ms..ms + live, md);
+        }
+        self.base = keep;
+    }
+
+    fn write_and_attend(&mut self, ctx: Ctx, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+        let Ctx { shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap, window, rotate } = ctx;
+        let w = hd / T::PACK;
+        let visible_from = |i: usize| if window > 0 { (layout.pos[i] + 1).saturating_sub(window) } else { 0 };
+        let lo_store = layout.store.iter().min().copied().unwrap_or(0);
+        let hi = layout.store.iter().max().copied().unwrap_or(0);
+        if lo_store < self.base {
+            return Err(Error::Internal(format!("position {lo_store} was already dropped by the KV window")));
+        }
+        if hi - self.base >= cap {
+            let oldest = (0..layout.store.len()).map(visible_from).min().unwrap_or(0);
+            let keep = oldest.saturating_sub(WINDOW_SLACK).max(self.base).min(lo_store).min(self.len);
+            if hi - keep >= cap {
+                return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
+            }
+            self.compact(n_kv_heads, cap, hd, keep);
+        }
+        let mut tmp = vec![0f32; hd];
         for (i, &at) in layout.store.iter().enumerate() {
+            let at = at - self.base;
             for g in 0..n_kv_heads {
                 let src = (i * n_kv_heads + g) * hd;
-                let dst = (g * cap + at) * hd;
-                let ks = T::encode_row(&k[src..src + hd], &mut self.k[dst..dst + hd]);
-                let vs = T::encode_row(&v[src..src + hd], &mut self.v[dst..dst + hd]);
-                if T::SCALED {
-                    self.k_scale[g * cap + at] = ks;
-                    self.v_scale[g * cap + at] = vs;
+                let (dst, m) = ((g * cap + at) * w, g * cap + at);
+                for (rows, codes, meta) in [(k, &mut self.k, &mut self.k_meta), (v, &mut self.v, &mut self.v_meta)] {
+                    tmp.copy_from_slice(&rows[src..src + hd]);
+                    if rotate {
+                        hadamard(&mut tmp);
+                    }
+                    meta[m] = T::encode_row(&tmp, &mut codes[dst..dst + w]);
                 }
             }
         }
-        self.len = layout.store.iter().max().map_or(self.len, |m| m + 1);
+        self.len = hi + 1;
         let group = n_heads / n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let (ks, vs, kss, vss) = (&self.k, &self.v, &self.k_scale, &self.v_scale);
+        let (ks, vs, kms, vms, base) = (&self.k, &self.v, &self.k_meta, &self.v_meta, self.base);
         const NONE: &[usize] = &[];
         // One task per (row, head); each writes its own head_dim-wide piece of `out`.
         let task = |(idx, o): (usize, &mut [f32])| {
             let (i, h) = (idx / n_heads, idx % n_heads);
-            let base = (h / group) * cap * hd;
-            let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
             let g = h / group;
-            let scales = if T::SCALED { Some((&kss[g * cap..(g + 1) * cap], &vss[g * cap..(g + 1) * cap])) } else { None };
-            let head = (&ks[base..base + cap * hd], &vs[base..base + cap * hd], scales);
-            attend_one(&q[idx * hd..(idx + 1) * hd], head, layout.prefix[i], extra, hd, scale, o);
+            let head = HeadView { keys: &ks[g * cap * w..(g + 1) * cap * w], values: &vs[g * cap * w..(g + 1) * cap * w],
+                                  k_meta: &kms[g * cap..(g + 1) * cap], v_meta: &vms[g * cap..(g + 1) * cap] };
+            let from = visible_from(i).max(base);
+            let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
+            let visible = (from..layout.prefix[i]).chain(extra.iter().copied()).map(|t| t - base);
+            let mut qr = q[idx * hd..(idx + 1) * hd].to_vec();
+            if rotate {
+                hadamard(&mut qr);
+            }
+            attend_one(&qr, &head, visible, hd, scale, o);
+            if rotate {
+                hadamard(o);
+            }
         };
-        let work: usize = layout.prefix.iter().sum::<usize>() * n_heads * hd;
+        let work: usize = layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
         if work < 1 << 16 {
             out.chunks_mut(hd).enumerate().for_each(task);
         } else {
             out.par_chunks_mut(hd).enumerate().for_each(task);
         }
+        Ok(())
     }
 
     fn move_position(&mut self, heads: usize, cap: usize, hd: usize, from: usize, to: usize) {
-        if from >= self.len {
+        if from >= self.len || from < self.base || to < self.base {
             return;
         }
+        let (from, to, w) = (from - self.base, to - self.base, hd / T::PACK);
         for g in 0..heads {
-            let (src, dst) = ((g * cap + from) * hd, (g * cap + to) * hd);
-            self.k.copy_within(src..src + hd, dst);
-            self.v.copy_within(src..src + hd, dst);
-            if T::SCALED {
-                self.k_scale[g * cap + to] = self.k_scale[g * cap + from];
-                self.v_scale[g * cap + to] = self.v_scale[g * cap + from];
-            }
+            let (src, dst) = ((g * cap + from) * w, (g * cap + to) * w);
+            self.k.copy_within(src..src + w, dst);
+            self.v.copy_within(src..src + w, dst);
+            self.k_meta[g * cap + to] = self.k_meta[g * cap + from];
+            self.v_meta[g * cap + to] = self.v_meta[g * cap + from];
         }
     }
 }
 
-/// One KV head's keys and values, `[position][head_dim]`, and their per-position scales for scaled types.
-type HeadView<'a, T> = (&'a [T], &'a [T], Option<(&'a [f32], &'a [f32])>);
+/// One KV head's stored keys and values, `[index][head_dim / PACK]`, and their per-index metadata.
+struct HeadView<'a, T: KvElem> {
+    keys: &'a [T],
+    values: &'a [T],
+    k_meta: &'a [T::Meta],
+    v_meta: &'a [T::Meta],
+}
 
-/// softmax(q·Kᵀ·scale)·V for one query row over key indices `0..prefix` and `extra`, accumulated in f32.
-fn attend_one<T: KvElem>(q: &[f32], head: HeadView<T>, prefix: usize, extra: &[usize], hd: usize, scale: f32, out: &mut [f32]) {
-    let (keys, values, scales) = head;
-    let k_scale = |t: usize| scales.map_or(1.0, |s| s.0[t]);
-    let v_scale = |t: usize| scales.map_or(1.0, |s| s.1[t]);
-    let dot = |t: usize| keys[t * hd..(t + 1) * hd].iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * scale * k_scale(t);
-    let index = |j: usize| if j < prefix { j } else { extra[j - prefix] };
-    let mut scores: Vec<f32> = (0..prefix + extra.len()).map(|j| dot(index(j))).collect();
+/// softmax(q·Kᵀ·scale)·V for one query row over the stored indices `visible`, accumulated in f32.
+fn attend_one<T: KvElem>(q: &[f32], head: &HeadView<T>, visible: impl Iterator<Item = usize> + Clone, hd: usize, scale: f32, out: &mut [f32]) {
+    let w = hd / T::PACK;
+    let q_sum: f32 = q.iter().sum();
+    let mut scores: Vec<f32> = visible.clone().map(|t| T::dot(&head.keys[t * w..(t + 1) * w], head.k_meta[t], q, q_sum) * scale).collect();
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for s in scores.iter_mut() {
@@ -306,12 +338,8 @@ fn attend_one<T: KvElem>(q: &[f32], head: HeadView<T>, prefix: usize, extra: &[u
         sum += *s;
     }
     out.fill(0.0);
-    for (j, p) in scores.iter().enumerate() {
-        let t = index(j);
-        let w = p / sum * v_scale(t);
-        for (o, x) in out.iter_mut().zip(&values[t * hd..(t + 1) * hd]) {
-            *o += w * x.to_f32();
-        }
+    for (p, t) in scores.iter().zip(visible) {
+        T::axpy(&head.values[t * w..(t + 1) * w], head.v_meta[t], p / sum, out);
     }
 }
 
@@ -325,24 +353,93 @@ mod tests {
 
     /// Plain causal attention over all rows at once, for comparison.
     fn naive(shape: AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        naive_window(shape, q, k, v, 0)
+    }
+
+    /// Causal attention where row i sees rows `i-window+1..=i` (all earlier rows when `window` is 0).
+    fn naive_window(shape: AttnShape, q: &[f32], k: &[f32], v: &[f32], window: usize) -> Vec<f32> {
         let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
         let n = q.len() / (n_heads * hd);
         let mut out = vec![0.0; q.len()];
         for i in 0..n {
+            let from = if window > 0 { (i + 1).saturating_sub(window) } else { 0 };
             for h in 0..n_heads {
                 let g = h / (n_heads / n_kv_heads);
                 let qv = &q[(i * n_heads + h) * hd..][..hd];
-                let s: Vec<f32> = (0..=i).map(|t| (0..hd).map(|d| qv[d] * k[(t * n_kv_heads + g) * hd + d]).sum::<f32>() / (hd as f32).sqrt()).collect();
+                let s: Vec<f32> = (from..=i).map(|t| (0..hd).map(|d| qv[d] * k[(t * n_kv_heads + g) * hd + d]).sum::<f32>() / (hd as f32).sqrt()).collect();
                 let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
-                for t in 0..=i {
+                for (j, t) in (from..=i).enumerate() {
                     for d in 0..hd {
-                        out[(i * n_heads + h) * hd + d] += (s[t] - m).exp() / z * v[(t * n_kv_heads + g) * hd + d];
+                        out[(i * n_heads + h) * hd + d] += (s[j] - m).exp() / z * v[(t * n_kv_heads + g) * hd + d];
                     }
                 }
             }
         }
         out
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn window_matches_naive_through_compaction_and_rollback() {
+        let shape = AttnShape { n_heads: 2, n_kv_heads: 1, head_dim: 8 };
+        let (n, qw, kw, window) = (400, 16, 8, 5);
+        let (q, k, v) = (pseudo(n * qw, 4), pseudo(n * kw, 5), pseudo(n * kw, 6));
+        let want = naive_window(shape, &q, &k, &v, window);
+        // Capacity far below the sequence: the slot must drop old positions to keep going.
+        let cap = window + WINDOW_SLACK + 10;
+        let mut cache = KvCache::new(KvKind::F32, shape, cap, 1).with_window(window);
+        let mut out = vec![0.0; 8 * qw];
+        cache.write_and_attend(0, 0, &k[..8 * kw], &v[..8 * kw], &q[..8 * qw], &mut out).unwrap();
+        assert!(max_diff(&out, &want[..8 * qw]) < 1e-5);
+        let mut i = 8;
+        while i < n {
+            // Every 7th step: write 3 speculative rows, then roll 2 of them back.
+            let m = if i % 7 == 0 && i + 3 <= n { 3 } else { 1 };
+            let mut o = vec![0.0; m * qw];
+            cache.write_and_attend(0, i, &k[i * kw..(i + m) * kw], &v[i * kw..(i + m) * kw], &q[i * qw..(i + m) * qw], &mut o).unwrap();
+            assert!(max_diff(&o, &want[i * qw..(i + m) * qw]) < 1e-5, "rows {i}..{}", i + m);
+            let keep = if m == 3 { 1 } else { m };
+            cache.truncate(i + keep);
+            i += keep;
+            assert!(cache.bytes_in_use() <= cap * 2 * kw * 4, "bytes {} at {i}", cache.bytes_in_use());
+        }
+        assert_eq!(cache.slot_len(0), n);
+    }
+
+    /// Attention error of a quantized mode against f32, over keys whose channel 3 is an outlier.
+    fn quantized_error(kind: KvKind) -> f32 {
+        let shape = AttnShape { n_heads: 2, n_kv_heads: 2, head_dim: 64 };
+        let (n, w) = (48, 128);
+        let (q, v) = (pseudo(n * w, 7), pseudo(n * w, 9));
+        let mut k = pseudo(n * w, 8);
+        for row in k.chunks_mut(64) {
+            row[3] *= 40.0;
+        }
+        let run = |kind| {
+            let mut cache = KvCache::new(kind, shape, n, 1);
+            let mut out = vec![0.0; n * w];
+            cache.write_and_attend(0, 0, &k, &v, &q, &mut out).unwrap();
+            out
+        };
+        max_diff(&run(kind), &run(KvKind::F32))
+    }
+
+    #[test]
+    fn quantized_modes_order_by_precision_and_hadamard_helps_int4() {
+        let (i8e, i4, i4h) = (quantized_error(KvKind::Int8), quantized_error(KvKind::Int4), quantized_error(KvKind::Int4H));
+        assert!(i8e < 0.05, "int8 {i8e}");
+        assert!(i4h < i4, "int4-h {i4h} should beat int4 {i4} on outlier keys");
+        assert!(i8e < i4h, "int8 {i8e} vs int4-h {i4h}");
+    }
+
+    #[test]
+    fn bytes_per_row_of_int4_h_is_under_a_third_of_f16() {
+        assert_eq!(KvKind::Int4H.bytes_per_row(64), 36);
+        assert!((KvKind::Int4H.bytes_per_row(64) as f64) <= 0.3 * KvKind::F16.bytes_per_row(64) as f64);
     }
 
     #[test]

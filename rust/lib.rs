@@ -7,6 +7,7 @@
 pub mod error;
 pub mod engine;
 pub mod kv;
+pub mod kv_elem;
 pub mod loader;
 pub mod model;
 pub mod sampler;

@@ -217,7 +217,7 @@ impl Model {
             let (kk, vv, qq) = (&k[kr.clone()], &v[kr], &q[qr.clone()]);
             match s.tree {
                 Some(t) => {
-                    let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra };
+                    let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
                     s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, &mut att[qr])?
                 }
                 None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, &mut att[qr])?,

@@ -264,11 +264,12 @@ impl Engine {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                 draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<Generator> {
+                 draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generator> {
         let ids = self.prompt_ids(py, prompt)?;
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
-        let g = Generator::new(self.inner.clone(), ids, params, loops).map_err(to_py)?;
+        let g = Generator::new(self.inner.clone(), ids, params, loops, cache_window).map_err(to_py)?;
         match draft {
             Some((draft_loops, draft_ahead)) => {
                 g.with_speculation(SpecConfig { draft_loops, draft_ahead, k_branches }).map_err(to_py)
@@ -343,10 +344,11 @@ impl Engine {
 
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1))]
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
+    #[allow(clippy::too_many_arguments)]
     fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<Generation> {
-        let mut g = self.generator(py, prompt, params, loops, draft, k_branches)?;
+                draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generation> {
+        let mut g = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = detached(py, || {
             let finish = g.run()?;
@@ -366,18 +368,20 @@ impl Engine {
 
     /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
     /// a speculative round runs when no verified token is waiting.
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1))]
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
+    #[allow(clippy::too_many_arguments)]
     fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-              draft: Option<(usize, usize)>, k_branches: usize) -> PyResult<TokenStream> {
-        let generator = self.generator(py, prompt, params, loops, draft, k_branches)?;
+              draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<TokenStream> {
+        let generator = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
 
-    /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len).
-    #[pyo3(signature = (capacity=None))]
-    fn sequence(&self, capacity: Option<usize>) -> Sequence {
+    /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len); `window > 0` makes each
+    /// row attend to the last `window` positions only, and lets the cache drop older ones when it fills.
+    #[pyo3(signature = (capacity=None, window=0))]
+    fn sequence(&self, capacity: Option<usize>, window: usize) -> Sequence {
         let cap = capacity.unwrap_or(self.inner.max_seq_len);
-        Sequence { engine: self.inner.clone(), cache: self.inner.model.new_cache(cap), len: 0 }
+        Sequence { engine: self.inner.clone(), cache: self.inner.model.new_cache(cap).with_window(window), len: 0 }
     }
 }
 

@@ -32,13 +32,36 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Orthonormal Sylvester Hadamard matrix (symmetric, its own inverse)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def int4_round(x: np.ndarray) -> np.ndarray:
+    """Asymmetric 4-bit codes per row (last axis): min and step (max - min) / 15, both held as float16."""
+    lo = x.min(axis=-1, keepdims=True).astype(np.float16).astype(np.float64)
+    step = ((x.max(axis=-1, keepdims=True) - lo) / 15.0).astype(np.float16).astype(np.float64)
+    inv = np.divide(1.0, step, out=np.zeros_like(step), where=step != 0)
+    q = np.clip(np.floor((x - lo) * inv + 0.5), 0, 15)
+    return lo + q * step
+
+
 def kv_round(x: np.ndarray, kv_dtype) -> np.ndarray:
-    """K/V as the cache stores them: a float dtype, or "int8" (symmetric, one scale per token and head)."""
+    """K/V (..., head_dim) as the cache stores them: a float dtype; "int8" (symmetric, one scale per token and head);
+    "int4" (asymmetric per token and head); "int4-h" (int4 of the Hadamard-rotated row, rotated back)."""
     if isinstance(kv_dtype, str) and kv_dtype == "int8":
         scale = (np.abs(x).max(axis=-1, keepdims=True) / 127.0).astype(np.float32).astype(np.float64)
         inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
         q = np.clip(np.trunc(x * inv + np.copysign(0.5, x)), -127, 127)
         return q * scale
+    if isinstance(kv_dtype, str) and kv_dtype == "int4":
+        return int4_round(x)
+    if isinstance(kv_dtype, str) and kv_dtype == "int4-h":
+        h = hadamard_matrix(x.shape[-1])
+        return int4_round(x @ h) @ h
     return x.astype(kv_dtype).astype(np.float64)
 
 
@@ -55,7 +78,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype, aq) -> np.ndarray:
+def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype, aq, window: int = 0) -> np.ndarray:
     T = x.shape[0]
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pos = np.arange(T)
@@ -67,6 +90,8 @@ def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_
     group = H // KV
     out = np.empty((T, H, hd))
     causal = np.tril(np.ones((T, T), dtype=bool))
+    if window:  # row i sees rows i-window+1..i
+        causal &= ~np.tril(np.ones((T, T), dtype=bool), -window)
     for head in range(H):
         g = head // group
         s = (q[:, head, :] @ k[:, g, :].T) / np.sqrt(hd)
@@ -87,16 +112,17 @@ def forward(
     loops: int,
     kv_dtype=np.float32,
     act_q8: bool = False,
+    window: int = 0,
 ) -> np.ndarray:
-    """Logits (T, vocab) for every position of `tokens` at depth `loops`."""
+    """Logits (T, vocab) for every position of `tokens` at depth `loops` (`window > 0`: sliding-window attention)."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     aq = q8_0_roundtrip if act_q8 else (lambda a: a)
     x = w["token_embd.weight"][np.asarray(tokens)]
     for i in range(cfg.prelude_count):
-        x = layer(cfg, w, f"pre.{i}", x, kv_dtype, aq)
+        x = layer(cfg, w, f"pre.{i}", x, kv_dtype, aq, window)
     for _ in range(loops):
         for j in range(cfg.block_count):
-            x = layer(cfg, w, f"blk.{j}", x, kv_dtype, aq)
+            x = layer(cfg, w, f"blk.{j}", x, kv_dtype, aq, window)
     x = aq(rms_norm(x, w["output_norm.weight"], cfg.rms_eps))
     head = w.get("output.weight", w["token_embd.weight"])
     return x @ head.T

@@ -136,31 +136,38 @@ def test_score_reads_every_depth_in_one_pass(tiny):
         engine.score(PROMPT, [3, 1])
 
 
-# int8 KV: the reference rounds K and V per (token, head) exactly as the cache does; what remains is f32 vs f64
-# arithmetic in the scale and the occasional value on a rounding boundary (one step of max|x|/127), so the bound is
-# 1e-3 of the logit range. Against the unrounded reference the int8 cache is off by much more (checked below).
+# Quantized KV: the reference rounds K and V per (token, head) exactly as the cache does (int4-h: rotate, round,
+# rotate back); what remains is f32 vs f64 arithmetic and the occasional value on a rounding boundary, which moves
+# by one step (int8: max|x|/127; int4: (max-min)/15, so its bound is looser). Against the unrounded reference each
+# mode is off by much more (checked below), so the bounds do test the rounding.
+KV_MODES = {"int8": 1e-3, "int4": 5e-3, "int4-h": 5e-3}
+
+
+@pytest.mark.parametrize("mode", list(KV_MODES))
 @pytest.mark.parametrize("loops", [1, 3, 8])
-def test_int8_kv_matches_reference(tiny, loops):
-    engine = tinyloop.Engine(tiny.path, kv_cache_mode="int8")
-    assert (engine.info.kv_cache_mode, engine.info.kv_dtype) == ("int8", "int8")
+def test_quantized_kv_matches_reference(tiny, mode, loops):
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode=mode)
+    assert (engine.info.kv_cache_mode, engine.info.kv_dtype) == (mode, mode)
     seq = engine.sequence()
     got = np.frombuffer(seq.feed(PROMPT, loops), dtype=np.float32).reshape(len(PROMPT), -1)
-    want = ref_forward(tiny.cfg, tiny.weights, PROMPT, loops, kv_dtype="int8")
-    assert rel_err(got, want) <= 1e-3
+    want = ref_forward(tiny.cfg, tiny.weights, PROMPT, loops, kv_dtype=mode)
+    assert rel_err(got, want) <= KV_MODES[mode]
     assert rel_err(got, ref_forward(tiny.cfg, tiny.weights, PROMPT, loops)) > 3 * rel_err(got, want)
     cfg = tiny.cfg
-    per_token = (cfg.prelude_count + loops * cfg.block_count) * 2 * cfg.n_kv_heads * (cfg.head_dim + 4)
+    row = cfg.head_dim + 4 if mode == "int8" else cfg.head_dim // 2 + 4
+    per_token = (cfg.prelude_count + loops * cfg.block_count) * 2 * cfg.n_kv_heads * row
     assert seq.kv_bytes == len(PROMPT) * per_token
 
 
-def test_int8_kv_decode_equals_prefill(tiny):
-    full = engine_logits_kv(tiny.path, PROMPT, 3, [len(PROMPT)])
-    stepwise = engine_logits_kv(tiny.path, PROMPT, 3, [4] + [1] * (len(PROMPT) - 4))
+@pytest.mark.parametrize("mode", list(KV_MODES))
+def test_quantized_kv_decode_equals_prefill(tiny, mode):
+    full = engine_logits_kv(tiny.path, PROMPT, 3, [len(PROMPT)], mode)
+    stepwise = engine_logits_kv(tiny.path, PROMPT, 3, [4] + [1] * (len(PROMPT) - 4), mode)
     np.testing.assert_allclose(stepwise, full, rtol=0, atol=1e-4 * np.abs(full).max())
 
 
-def engine_logits_kv(path, tokens, loops, chunks):
-    seq = tinyloop.Engine(path, kv_cache_mode="int8").sequence()
+def engine_logits_kv(path, tokens, loops, chunks, mode="fp16", window=0, capacity=None):
+    seq = tinyloop.Engine(path, kv_cache_mode=mode).sequence(capacity, window=window)
     out, start = [], 0
     for n in chunks:
         out.append(np.frombuffer(seq.feed(tokens[start : start + n], loops), dtype=np.float32))
@@ -168,6 +175,36 @@ def engine_logits_kv(path, tokens, loops, chunks):
     return np.concatenate(out).reshape(len(tokens), -1)
 
 
+LONG = [(i * 7919 + 13) % 50000 for i in range(90)]
+
+
+WINDOW, CHUNKS = 6, [8] + [1] * 30 + [4] * 13
+
+
+def test_cache_window_matches_sliding_window_reference(tiny):
+    """Each row attends to the last W positions; a cache far smaller than the sequence drops older ones as it
+    goes (the capacity here forces it to compact many times)."""
+    got = engine_logits_kv(tiny.path, LONG, 3, CHUNKS, window=WINDOW, capacity=WINDOW + 65 + 8)
+    want = ref_forward(tiny.cfg, tiny.weights, LONG, 3, window=WINDOW)
+    assert rel_err(got, want) <= 1e-4
+    # Without the window the last rows differ: the test can tell windowed attention from full attention.
+    assert rel_err(got[-10:], ref_forward(tiny.cfg, tiny.weights, LONG, 3)[-10:]) > 1e-2
+
+
+@pytest.mark.parametrize("mode", list(KV_MODES))
+def test_cache_window_compaction_is_exact_in_every_mode(tiny, mode):
+    """Dropping old positions only moves stored rows: a small windowed cache gives bit-identical logits to a
+    windowed cache that never compacts. (Against the reference, quantized modes are checked above: feeding rows
+    one at a time changes the GEMM's rounding, and a K value on an int4 rounding boundary then moves by a step.)"""
+    small = engine_logits_kv(tiny.path, LONG, 3, CHUNKS, mode, window=WINDOW, capacity=WINDOW + 65 + 8)
+    roomy = engine_logits_kv(tiny.path, LONG, 3, CHUNKS, mode, window=WINDOW)
+    assert np.array_equal(small, roomy)
+    unwindowed = engine_logits_kv(tiny.path, LONG, 3, CHUNKS, mode)
+    assert rel_err(small[-10:], unwindowed[-10:]) > 1e-2
+
+
 def test_unknown_kv_mode_is_rejected(tiny):
-    with pytest.raises(tinyloop.InvalidRequestError, match="int4"):
-        tinyloop.Engine(tiny.path, kv_cache_mode="int4")
+    with pytest.raises(tinyloop.InvalidRequestError, match="int4-h"):
+        tinyloop.Engine(tiny.path, kv_cache_mode="int3")
+
+

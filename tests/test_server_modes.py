@@ -34,14 +34,44 @@ def test_failed_model_load_still_serves_503(tmp_path):
         assert client.models.list().data[0].id == str(bad)
 
 
-def test_int8_kv_mode_from_the_environment(tiny):
-    with running_server(tiny.path, env={"TINYLOOP_KV_INT8": "1"}) as base:
-        r = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "max_tokens": 4}, timeout=30)
-        assert r.json()["model_info"]["kv_cache_mode"] == "int8" and r.json()["usage"]["completion_tokens"] == 4
+@pytest.mark.parametrize("env,mode", [({"TINYLOOP_KV_INT8": "1"}, "int8"), ({"TINYLOOP_KV_INT4": "1"}, "int4"),
+                                      ({"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_H_MODE": "1"}, "int4-h")])
+def test_kv_mode_from_the_environment(tiny, env, mode):
+    """000's mapping, served: the reported mode, and the same greedy tokens as the engine in that mode."""
+    import tinyloop
+
+    want = tinyloop.Engine(tiny.path, kv_cache_mode=mode).generate(
+        "x", tinyloop.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), loops=3).tokens
+    with running_server(tiny.path, env=env) as base:
+        r = httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 6, "loops": 3}, timeout=30).json()
+        assert r["tokens"][: len(want)] == want[: len(r["tokens"])] and len(r["tokens"]) >= 1
+        info = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
+                          timeout=30).json()["model_info"]
+        assert info["kv_cache_mode"] == mode
 
 
-def test_unavailable_kv_mode_is_a_clear_load_error(tiny):
-    with running_server(tiny.path, env={"TINYLOOP_KV_INT4": "1"}, expect_health=503) as base:
-        assert "int4" in httpx.get(f"{base}/health").json()["reason"]
+def test_bad_kv_env_combinations_are_clear_load_errors(tiny):
     with running_server(tiny.path, env={"TINYLOOP_KV_H_MODE": "1"}, expect_health=503) as base:
         assert "TINYLOOP_KV_INT4" in httpx.get(f"{base}/health").json()["reason"]
+    with running_server(tiny.path, env={"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_INT8": "1"}, expect_health=503) as base:
+        assert "choose one" in httpx.get(f"{base}/health").json()["reason"]
+
+
+def test_cache_window_is_served(tiny):
+    """cache_window reaches the engine on /generate and /api/v0: the tokens are the engine's with that window."""
+    import tinyloop
+
+    prompt = [(i * 131 + 7) % 50000 for i in range(30)]
+    engine = tinyloop.Engine(tiny.path)
+    params = tinyloop.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    windowed = engine.generate(prompt, params, loops=3, cache_window=3).tokens
+    assert windowed != engine.generate(prompt, params, loops=3).tokens
+    with running_server(tiny.path) as base:
+        native = httpx.post(f"{base}/generate", json={"prompt": prompt, "max_tokens": 8, "loops": 3, "top_k": 0,
+                                                       "top_p": 1.0, "cache_window": 3}, timeout=30).json()
+        assert native["tokens"][: len(windowed)] == windowed[: len(native["tokens"])]
+        lm = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8,
+                        "temperature": 0, "loops": 3, "cache_window": 3}, timeout=30).json()
+        assert lm["choices"][0]["text"] == engine.decode(windowed[: lm["usage"]["completion_tokens"]])
+        bad = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "cache_window": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_window"

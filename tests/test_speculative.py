@@ -166,11 +166,56 @@ def test_tree_limits(tiny_engine):
         tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2), k_branches=2)
 
 
-def test_speculative_equals_plain_with_int8_kv(tiny):
-    engine = tinyloop.Engine(tiny.path, kv_cache_mode="int8")
-    for i, prompt in enumerate(prompts(20, seed=21)):
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-h"])
+def test_speculative_equals_plain_in_every_quantized_kv_mode(tiny, mode):
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode=mode)
+    for i, prompt in enumerate(prompts(12, seed=21)):
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         plain = engine.generate(prompt, params, loops=6)
         chain = engine.generate(prompt, params, loops=6, draft=(2, 3))
         tree = engine.generate(prompt, params, loops=6, draft=(2, 3), k_branches=3)
         assert chain.tokens == plain.tokens == tree.tokens, (i, prompt)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int4-h"])
+def test_speculative_equals_plain_with_a_cache_window(tiny, mode):
+    """Long generations (past the windowed cache's capacity, so it drops old positions many times) with rollback
+    and tree compaction: every mode still reproduces plain generation with the same window."""
+    engine = tinyloop.Engine(tiny.path, max_seq_len=400, kv_cache_mode=mode)
+    params = SamplingParams(temperature=0.0, max_tokens=350, ignore_eos=True)
+    for prompt, window in [(prompts(1, seed=5)[0], 7), ([11] * 20, 16)]:
+        plain = engine.generate(prompt, params, loops=5, cache_window=window)
+        chain = engine.generate(prompt, params, loops=5, draft=(2, 4), cache_window=window)
+        tree = engine.generate(prompt, params, loops=5, draft=(1, 4), k_branches=4, cache_window=window)
+        assert chain.tokens == plain.tokens == tree.tokens, (mode, window)
+        assert len(plain.tokens) == 350
+
+
+def test_cache_window_keeps_kv_memory_constant(tiny):
+    """The bytes a windowed stream holds stop growing; without a window they grow with every token."""
+    engine = tinyloop.Engine(tiny.path, max_seq_len=700)
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    windowed, full = engine.stream([5, 6, 7], params, loops=3, cache_window=8), engine.stream([5, 6, 7], params, loops=3)
+    w_bytes, f_bytes = [], []
+    for _ in range(600):
+        next(windowed), next(full)
+        w_bytes.append(windowed.kv_bytes)
+        f_bytes.append(full.kv_bytes)
+    cfg = tiny.cfg
+    elem = {"f32": 4, "f16": 2}[engine.info.kv_dtype]  # "fp16" mode: f32 rows for this all-F32 model
+    per_pos = (cfg.prelude_count + 3 * cfg.block_count) * 2 * cfg.n_kv_heads * cfg.head_dim * elem
+    # Bounded by the window (8), the rollback slack (65) and room for one pass's rows (64 + 64 + 1), a bound
+    # reached in the first 300 tokens and never passed in the next 300, while the unwindowed cache holds them all.
+    assert max(w_bytes) == (8 + 65 + 64 + 64 + 1) * per_pos
+    assert max(w_bytes[300:]) <= max(w_bytes[:300])
+    assert f_bytes[-1] == (3 + 599) * per_pos
+
+
+def test_cache_window_is_a_real_window(tiny):
+    """A window shorter than the prompt changes what the model sees; one longer than the sequence does not."""
+    engine = tinyloop.Engine(tiny.path)
+    prompt = prompts(1, seed=9)[0] + prompts(1, seed=10)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = engine.generate(prompt, params, loops=3).tokens
+    assert engine.generate(prompt, params, loops=3, cache_window=len(prompt) + 20).tokens == full
+    assert engine.generate(prompt, params, loops=3, cache_window=2).tokens != full

@@ -125,6 +125,7 @@ class Engine:
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
+        cache_window: int = 0,
     ) -> Generation: ...
     def stream(
         self,
@@ -133,5 +134,6 @@ class Engine:
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
+        cache_window: int = 0,
     ) -> TokenStream: ...
-    def sequence(self, capacity: int | None = None) -> Sequence: ...
+    def sequence(self, capacity: int | None = None, window: int = 0) -> Sequence: ...

@@ -42,7 +42,8 @@ class ServerConfig:
         )
 
     def kv_cache_mode(self) -> str:
-        """000's env -> mode mapping: INT4 (+ H_MODE) wins over INT8; nothing set is fp16."""
+        """000's env -> mode mapping: INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8, nothing set is fp16
+        (`kv_mode_error` rejects H_MODE without INT4, and INT4 with INT8)."""
         if self.kv_int4:
             return "int4-h" if self.kv_h_mode else "int4"
         if self.kv_int8:
@@ -52,8 +53,8 @@ class ServerConfig:
     def kv_mode_error(self) -> str | None:
         if self.kv_h_mode and not self.kv_int4:
             return "TINYLOOP_KV_H_MODE=1 needs TINYLOOP_KV_INT4=1 (the Hadamard mode rotates the int4 cache)"
-        if self.kv_cache_mode() not in ("fp16", "int8"):
-            return f"KV cache mode {self.kv_cache_mode()!r} is not available in this build yet (fp16 and int8 are)"
+        if self.kv_int4 and self.kv_int8:
+            return "TINYLOOP_KV_INT4=1 and TINYLOOP_KV_INT8=1 are both set; choose one KV cache mode"
         return None
 
 

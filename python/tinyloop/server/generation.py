@@ -23,13 +23,14 @@ class ChoiceRun:
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
     draft: tuple[int, int, int] | None = None  # (draft_loops, draft_ahead, k_branches); `loops` verifies
     mode: str = "generate"
+    cache_window: int = 0  # > 0: attend to (and keep) only the last cache_window positions
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     first_token_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.job = self.runner.submit(self.prompt, self.params, self.loops, self.draft, self.mode)
+        self.job = self.runner.submit(self.prompt, self.params, self.loops, self.draft, self.mode, self.cache_window)
 
     def cancel(self) -> None:
         self.job.cancel()

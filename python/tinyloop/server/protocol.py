@@ -102,8 +102,6 @@ class LMStudioExtras(BaseModel):
         _range("cache_window", self.cache_window, 0, 1 << 20)
         if self.mode != "generate":
             check_speculative(self.mode, self.draft_ahead, self.K_branches)
-        if self.cache_window:
-            raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
 
     def draft(self) -> tuple[int, int, int] | None:
         """(draft_loops, draft_ahead, k_branches) for the speculative modes."""
@@ -155,8 +153,6 @@ class GenerateRequest(_Request):
         _range("top_p", self.top_p, 0.0, 1.0)
         _range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
         _range("cache_window", self.cache_window, 0, 1 << 20)
-        if self.cache_window:
-            raise APIError(400, "cache_window > 0 is not available in this build yet", param="cache_window")
         if isinstance(self.prompt, str) and not self.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
 

@@ -54,11 +54,12 @@ class EngineRunner:
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, loops: int | None,
-               draft: tuple[int, int, int] | None = None, mode: str = "generate") -> Job:
-        """Queue a generation (speculative when `draft` = (draft_loops, draft_ahead, k_branches)). Raises the
-        engine's typed errors (bad arguments, context length) at once."""
+               draft: tuple[int, int, int] | None = None, mode: str = "generate", cache_window: int = 0) -> Job:
+        """Queue a generation (speculative when `draft` = (draft_loops, draft_ahead, k_branches); a sliding KV
+        window when `cache_window` > 0). Raises the engine's typed errors (bad arguments, context length) at once."""
         spec = (draft[0], draft[1]) if draft else None
-        stream = self.engine.stream(prompt, params, loops, spec, k_branches=draft[2] if draft else 1)
+        stream = self.engine.stream(prompt, params, loops, spec, k_branches=draft[2] if draft else 1,
+                                    cache_window=cache_window)
         job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
         with self._cv:
             self._waiting.append(job)

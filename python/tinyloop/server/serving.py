@@ -77,7 +77,7 @@ class Request:
 
     def __init__(self, state: ServerState, prompts: list[list[int]], n: int, params: list[SamplingParams],
                  loops: int | None, stop: list[str], lstrip: bool, draft: tuple[int, int, int] | None = None,
-                 mode: str = "generate"):
+                 mode: str = "generate", cache_window: int = 0):
         self.state = state
         self.started = time.perf_counter()
         self.prompts = prompts
@@ -95,7 +95,8 @@ class Request:
         try:
             for p in prompts:
                 for i in range(n):
-                    self.choices.append(ChoiceRun(runner, p, params[i], loops, stop, lstrip, draft, mode))
+                    self.choices.append(ChoiceRun(runner, p, params[i], loops, stop, lstrip, draft, mode,
+                                                    cache_window))
         except (InvalidRequestError, ContextLengthError) as e:
             self.cancel()
             raise APIError(400, str(e)) from e
@@ -199,7 +200,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> Request:
     prompt = engine.encode(render_chat(req.messages))
     rep, loops, draft = _extras(req)
     return Request(state, [prompt], req.n, _openai_params(req, rep), loops, _stops(req.stop, CHAT_DEFAULT_STOP), True,
-                   draft, getattr(req, "mode", "generate"))
+                   draft, getattr(req, "mode", "generate"), getattr(req, "cache_window", 0))
 
 
 def start_completion(state: ServerState, req: CompletionRequest) -> Request:
@@ -218,7 +219,7 @@ def start_completion(state: ServerState, req: CompletionRequest) -> Request:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
     rep, loops, draft = _extras(req)
     return Request(state, prompts, req.n, _openai_params(req, rep), loops, _stops(req.stop, []), False, draft,
-                   getattr(req, "mode", "generate"))
+                   getattr(req, "mode", "generate"), getattr(req, "cache_window", 0))
 
 
 def chat_response(state: ServerState, req: ChatCompletionRequest, r: Request) -> dict[str, Any]:
@@ -305,9 +306,11 @@ def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, s
                             max_tokens=req.max_tokens, stop_token_ids=stop_ids)
     if isinstance(req, SpeculativeRequest):
         draft = (req.draft_loops, req.draft_ahead, getattr(req, "K_branches", 1))
-        r = Request(state, [prompt], 1, [params], req.verify_loops, stop_text, False, draft, req.mode)
+        r = Request(state, [prompt], 1, [params], req.verify_loops, stop_text, False, draft, req.mode,
+                    req.cache_window)
         return r, req.mode, req.verify_loops
-    return Request(state, [prompt], 1, [params], req.loops, stop_text, False), "generate", req.loops
+    r = Request(state, [prompt], 1, [params], req.loops, stop_text, False, cache_window=req.cache_window)
+    return r, "generate", req.loops
 
 
 def generate_response(r: Request, mode: str, loops: int) -> dict[str, Any]:
