@@ -58,12 +58,25 @@ def batches(data: np.ndarray, batch: int, ctx: int, rng: np.random.Generator):
         yield torch.from_numpy(x), torch.from_numpy(y)
 
 
-def exit_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator) -> torch.Tensor:
+def head_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model.logits(h).float(), y)
+
+
+def exit_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator,
+              loss_fn=head_loss) -> torch.Tensor:
     h, y = h.reshape(-1, h.shape[-1]), y.reshape(-1)
     if frac < 1.0:
         keep = torch.randperm(h.shape[0], generator=gen)[: int(h.shape[0] * frac)]
         h, y = h[keep], y[keep]
-    return F.cross_entropy(model.logits(h).float(), y)
+    return loss_fn(model, h, y)
+
+
+def compile_hot_paths(model: LoopedLM):
+    """torch.compile the shared layers and the norm + head + loss (1.5x the eager step on these CPUs: it fuses the
+    elementwise work around the matmuls). Shapes are static per exit, so each compiles once or twice."""
+    for layer in [*model.prelude, *model.block]:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+    return torch.compile(head_loss, dynamic=False)
 
 
 @torch.no_grad()
@@ -133,6 +146,7 @@ def main() -> int:
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from the weights of a .tinyloop file (e.g. the shipped default model)")
+    ap.add_argument("--no-compile", action="store_true", help="run eagerly (torch.compile needs a C++ compiler)")
     ap.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU (fast only with AMX)")
     args = ap.parse_args()
 
@@ -152,6 +166,7 @@ def main() -> int:
         model.load_state_dict(resumed["state"])
     if args.init_from:
         load_tinyloop(model, args.init_from)
+    loss_fn = head_loss if args.no_compile else compile_hot_paths(model)
     train = tokenize(args.data / "train.txt")
     held = tokenize(args.data / "heldout.txt")
     print(f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",
@@ -183,7 +198,8 @@ def main() -> int:
         x, y = (t.to(device) for t in next(data))
         with amp:
             hs = model.hidden_states(x, L, set(exits))
-            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen) for d in exits}
+            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn)
+                      for d in exits}
             loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
         opt.zero_grad(set_to_none=True)
         loss.backward()
