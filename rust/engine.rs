@@ -132,7 +132,7 @@ pub struct Generator {
     pub(crate) sampler: Sampler,
     /// Depth of every emitted token (verify_loops when drafting).
     pub(crate) loops: usize,
-    prompt: Vec<u32>,
+    pub(crate) prompt: Vec<u32>,
     /// Positions whose K/V are complete at every loop (prompt + fed output).
     pub(crate) pos: usize,
     /// The last emitted token, not yet fed to the model.

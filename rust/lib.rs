@@ -4,6 +4,7 @@
 //! pass, `kv` the cache and attention kernel, `sampler` turns logits into tokens, `engine` generates. `py` (feature
 //! `python`) is the only place that knows about Python.
 
+pub mod batch;
 pub mod error;
 pub mod engine;
 pub mod kv;

@@ -10,7 +10,8 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::engine::{Engine as RsEngine, Generator};
+use crate::batch::step_batch;
+use crate::engine::{Engine as RsEngine, Generator, Step};
 use crate::error::Error;
 use crate::kv::KvCache;
 use crate::model::{LogitRows, SeqChunk};
@@ -167,6 +168,21 @@ struct TokenStream {
     done: bool,
 }
 
+impl TokenStream {
+    fn event(&mut self, py: Python<'_>, step: Step) -> PyResult<StepEvent> {
+        self.done = step.finish.is_some();
+        let bytes = match step.token {
+            Some(t) => self.engine.tokenizer.token_bytes(t).map_err(to_py)?.to_vec(),
+            None => Vec::new(),
+        };
+        Ok(StepEvent {
+            token_id: step.token.map_or(-1, i64::from),
+            bytes: PyBytes::new(py, &bytes).unbind(),
+            finish_reason: step.finish.map(|f| f.as_str().to_string()),
+        })
+    }
+}
+
 #[pymethods]
 impl TokenStream {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -179,16 +195,7 @@ impl TokenStream {
         }
         let generator = &mut self.generator;
         let step = detached(py, || generator.step())?;
-        self.done = step.finish.is_some();
-        let bytes = match step.token {
-            Some(t) => self.engine.tokenizer.token_bytes(t).map_err(to_py)?.to_vec(),
-            None => Vec::new(),
-        };
-        Ok(Some(StepEvent {
-            token_id: step.token.map_or(-1, i64::from),
-            bytes: PyBytes::new(py, &bytes).unbind(),
-            finish_reason: step.finish.map(|f| f.as_str().to_string()),
-        }))
+        self.event(py, step).map(Some)
     }
 
     /// Tokens in the prompt.
@@ -374,6 +381,33 @@ impl Engine {
               draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<TokenStream> {
         let generator = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
+    }
+
+    /// One step of every stream (continuous batching): the plain decode steps and prompt prefills among them run as
+    /// one forward pass per loop depth, with the GIL released. Returns, per stream in order, its `StepEvent`,
+    /// `None` if it had already finished, or the exception its step raised (the stream is then finished).
+    fn step_many(&self, py: Python<'_>, mut streams: Vec<PyRefMut<'_, TokenStream>>) -> PyResult<Vec<Py<PyAny>>> {
+        let steps = {
+            let mut gens: Vec<&mut Generator> = streams.iter_mut().filter(|s| !s.done).map(|s| &mut s.generator).collect();
+            detached(py, || Ok(step_batch(&mut gens)))?
+        };
+        let mut steps = steps.into_iter();
+        let mut out = Vec::with_capacity(streams.len());
+        for s in streams.iter_mut() {
+            if s.done {
+                out.push(py.None());
+                continue;
+            }
+            let result = steps.next().ok_or_else(|| to_py(Error::Internal("missing batched step".into())))?;
+            match result.map_err(to_py).and_then(|step| s.event(py, step)) {
+                Ok(ev) => out.push(Py::new(py, ev)?.into_any()),
+                Err(e) => {
+                    s.done = true;
+                    out.push(e.into_value(py).into_any());
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len); `window > 0` makes each

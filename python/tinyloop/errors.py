@@ -9,9 +9,11 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

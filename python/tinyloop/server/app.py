@@ -2,7 +2,7 @@
 
 `create_app()` reads its configuration from the environment (set by `tinyloop-serve`, or by hand):
 TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY, TINYLOOP_MAX_RUNNING,
-TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
+TINYLOOP_MAX_WAITING, TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ORJSONResponse(JSONResponse):
 
 
 def _error(e: APIError) -> ORJSONResponse:
-    return ORJSONResponse(e.body(), status_code=e.status)
+    return ORJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
@@ -55,7 +55,7 @@ def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
     if error is None:
         try:
             engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
-            runner = EngineRunner(engine, metrics, max_running=cfg.max_running)
+            runner = EngineRunner(engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting)
         except TinyloopError as e:
             error = str(e)
     if error:

@@ -17,11 +17,11 @@ ENV_HELP = """environment variables:
   TINYLOOP_MAX_SEQ_LEN        longest prompt + output, in tokens (default: the model's context length)
   TINYLOOP_SERVED_MODEL_NAME  id reported by /v1/models (default: the model path)
   TINYLOOP_API_KEY            require 'Authorization: Bearer <key>' on every route but /health
-  TINYLOOP_MAX_RUNNING        requests generated at once; more wait in a queue (default 16)
+  TINYLOOP_MAX_RUNNING        requests generated at once, batched step by step; more wait (default 16)
+  TINYLOOP_MAX_WAITING        requests that may wait; past it the server answers 503 + Retry-After (default 256)
   TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
                               KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
-                              none -> fp16; this build serves fp16 and int8, and reports int4 / int4-h
-                              as a load error
+                              none -> fp16; H_MODE without INT4, or INT4 with INT8, is a load error
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
 """
 
@@ -36,6 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="else TINYLOOP_SERVED_MODEL_NAME, else the model path")
     p.add_argument("--api-key", default=None, help="else TINYLOOP_API_KEY; unset means no authentication")
     p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
+    p.add_argument("--max-waiting", type=int, default=None, help="else TINYLOOP_MAX_WAITING, else 256")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     for env, value in [("TINYLOOP_MODEL_PATH", args.model), ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
                        ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name), ("TINYLOOP_API_KEY", args.api_key),
-                       ("TINYLOOP_MAX_RUNNING", args.max_running)]:
+                       ("TINYLOOP_MAX_RUNNING", args.max_running), ("TINYLOOP_MAX_WAITING", args.max_waiting)]:
         if value is not None:
             os.environ[env] = str(value)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

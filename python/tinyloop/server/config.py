@@ -20,6 +20,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_running: int = 16
+    max_waiting: int = 256
     kv_int8: bool = False
     kv_int4: bool = False
     kv_h_mode: bool = False
@@ -35,6 +36,7 @@ class ServerConfig:
             served_model_name=env.get("TINYLOOP_SERVED_MODEL_NAME") or None,
             api_key=env.get("TINYLOOP_API_KEY") or None,
             max_running=int(env.get("TINYLOOP_MAX_RUNNING") or 16),
+            max_waiting=int(env.get("TINYLOOP_MAX_WAITING") or 256),
             kv_int8=_flag("TINYLOOP_KV_INT8"),
             kv_int4=_flag("TINYLOOP_KV_INT4"),
             kv_h_mode=_flag("TINYLOOP_KV_H_MODE"),

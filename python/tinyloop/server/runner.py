@@ -1,7 +1,10 @@
-"""The engine loop: one thread steps every running request in turn, one token each, and hands step events to the
-asyncio side. The event loop never touches the model; a cancelled request is dropped at its next turn.
+"""The engine loop: one thread advances every running request by one step per iteration — all their plain decode
+steps and prompt prefills in one batched forward pass (`Engine.step_many`, continuous batching) — and hands step
+events to the asyncio side. The event loop never touches the model; a cancelled request leaves at the next step,
+a new one joins at the next step.
 
-Requests beyond `max_running` wait in FIFO order. Each running request owns its own KV cache (in its TokenStream).
+Requests beyond `max_running` wait in FIFO order; past `max_waiting` waiting ones, `submit` refuses more (the
+server answers 503 with Retry-After). Each running request owns its own KV cache (in its TokenStream).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from dataclasses import dataclass, field
 
 from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream
 from .metrics import Metrics
+
+
+class Overloaded(Exception):
+    """The waiting queue is full."""
 
 
 @dataclass
@@ -43,10 +50,11 @@ class Job:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16):
+    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, max_waiting: int = 256):
         self.engine = engine
         self.metrics = metrics
         self.max_running = max_running
+        self.max_waiting = max_waiting
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
         self._cv = threading.Condition()
@@ -62,6 +70,9 @@ class EngineRunner:
                                     cache_window=cache_window)
         job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
         with self._cv:
+            if len(self._running) + len(self._waiting) >= self.max_running + self.max_waiting:
+                raise Overloaded(f"the server is at capacity ({len(self._running)} requests running, "
+                                 f"{len(self._waiting)} waiting); retry shortly")
             self._waiting.append(job)
             self.metrics.requests_waiting.set(len(self._waiting))
             self._cv.notify()
@@ -92,17 +103,19 @@ class EngineRunner:
                     self._cv.wait()
                 while self._waiting and len(self._running) < self.max_running:
                     self._running.append(self._waiting.popleft())
-            for job in list(self._running):
-                if job.cancelled:
+            for job in [j for j in self._running if j.cancelled]:
+                self._retire(job)
+            active = list(self._running)
+            try:
+                results = self.engine.step_many([job.stream for job in active]) if active else []
+            except TinyloopError as e:  # the batch itself failed (an engine bug): fail its requests, keep serving
+                results = [e] * len(active)
+            now = time.perf_counter()
+            for job, event in zip(active, results):
+                if event is None or isinstance(event, BaseException):
                     self._retire(job)
+                    self._deliver(job, event if event is not None else TinyloopError("the stream had ended"))
                     continue
-                try:
-                    event = next(job.stream)
-                except TinyloopError as e:
-                    self._retire(job)
-                    self._deliver(job, e)
-                    continue
-                now = time.perf_counter()
                 if event.token_id >= 0:
                     if job.first_token is None:
                         job.first_token = now

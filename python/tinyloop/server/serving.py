@@ -28,7 +28,7 @@ from .protocol import (
     SpeculativeRequest,
     usage,
 )
-from .runner import EngineRunner
+from .runner import EngineRunner, Overloaded
 
 ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 # A raw LM keeps writing the conversation; these end the assistant's turn unless the request gives its own `stop`.
@@ -100,6 +100,9 @@ class Request:
         except (InvalidRequestError, ContextLengthError) as e:
             self.cancel()
             raise APIError(400, str(e)) from e
+        except Overloaded as e:
+            self.cancel()
+            raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e
         runner.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
 
     def cancel(self) -> None:

@@ -1,0 +1,100 @@
+"""Continuous batching (`Engine.step_many`): every stream's output is what it produces alone, whatever it is
+batched with, whenever it joins, and whichever mode it runs in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import tinyloop
+from tinyloop import SamplingParams
+
+from conftest import TINY
+
+
+def _requests(seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(10):
+        prompt = [rng.randrange(50257) for _ in range(rng.randint(1, 60))]
+        sampled = i % 3 == 1
+        params = SamplingParams(temperature=0.9 if sampled else 0.0, top_p=0.9, seed=100 + i,
+                                max_tokens=rng.randint(3, 24), ignore_eos=i % 2 == 0)
+        kw: dict = {"loops": rng.choice([1, 2, 3, 5])}
+        if i == 4:
+            kw = {"loops": 5, "draft": (2, 3)}  # speculative: runs its own rounds between batched steps
+        if i == 7:
+            kw["cache_window"] = 5  # windowed: prefills in chunks on its own, then decodes in the batch
+        out.append({"prompt": prompt, "params": params, "kw": kw})
+    return out
+
+
+def _alone(engine, reqs):
+    return [engine.generate(r["prompt"], r["params"], **r["kw"]).tokens for r in reqs]
+
+
+def _batched(engine, reqs, join_every: int):
+    """Step all streams together; request j joins after j * join_every batched steps."""
+    streams: list = []
+    tokens: list[list[int]] = [[] for _ in reqs]
+    step = 0
+    while len(streams) < len(reqs) or any(s is not None for s in streams):
+        while len(streams) < len(reqs) and len(streams) * join_every <= step:
+            r = reqs[len(streams)]
+            streams.append(engine.stream(r["prompt"], r["params"], **r["kw"]))
+        live = [(i, s) for i, s in enumerate(streams) if s is not None]
+        for (i, s), ev in zip(live, engine.step_many([s for _, s in live])):
+            assert not isinstance(ev, BaseException), ev
+            if ev.token_id >= 0:
+                tokens[i].append(ev.token_id)
+            if ev.finish_reason is not None:
+                streams[i] = None
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0"])
+def test_batched_outputs_equal_solo_outputs(model_factory, weight_type):
+    engine = tinyloop.Engine(model_factory(TINY, weight_type=weight_type).path)
+    reqs = _requests(seed=len(weight_type))
+    alone = _alone(engine, reqs)
+    assert _batched(engine, reqs, join_every=0) == alone  # all start together
+    assert _batched(engine, reqs, join_every=3) == alone  # staggered arrivals join running batches
+
+
+def test_step_many_reports_finished_streams_and_errors_per_stream(tiny_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    a, b = tiny_engine.stream([1, 2], params), tiny_engine.stream([3], params)
+    first = tiny_engine.step_many([a, b])
+    assert [ev.finish_reason for ev in first] == ["length", "length"] and all(ev.token_id >= 0 for ev in first)
+    assert tiny_engine.step_many([a, b]) == [None, None]
+    other = tinyloop.Engine(tiny_engine.path)
+    c = other.stream([4], params)
+    (ev,) = tiny_engine.step_many([c])  # a stream of another engine instance still steps correctly
+    assert ev.token_id == tiny_engine.generate([4], params).tokens[0]
+
+
+def test_a_full_server_answers_503_with_retry_after(tiny_engine):
+    """Backpressure, deterministically: a runner that admits nothing to run (max_running 0) holds two waiting
+    choices, then refuses the next request in the API's shape, with Retry-After."""
+    import asyncio
+
+    from tinyloop.errors import APIError
+    from tinyloop.server import serving
+    from tinyloop.server.metrics import Metrics
+    from tinyloop.server.protocol import CompletionRequest
+    from tinyloop.server.runner import EngineRunner
+
+    async def main():
+        runner = EngineRunner(tiny_engine, Metrics(), max_running=0, max_waiting=2)
+        state = serving.ServerState(tiny_engine, runner, "m", None, "fp16", None)
+        held = serving.start_completion(state, CompletionRequest(model="m", prompt="x", max_tokens=3, n=2))
+        with pytest.raises(APIError) as e:
+            serving.start_completion(state, CompletionRequest(model="m", prompt="y", max_tokens=3))
+        assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+        assert e.value.body()["error"]["code"] == "server_overloaded" and "2 waiting" in e.value.message
+        assert runner.metrics.requests_waiting._value.get() == 2
+        held.cancel()
+
+    asyncio.run(main())
