@@ -50,7 +50,9 @@ pub struct ModelFile {
     pub config: Config,
     pub vocab: VocabData,
     pub tensors: HashMap<String, QTensor>,
-    /// "fp16" | "int8" | "int4" | "int2" | "mixed", from the looped block's tensor types.
+    /// "fp16" | "int8" | "int4" | "int2", from the looped block's tensor types: the type holding most of its
+    /// weights (a quantizer's fallback type for a few tensors, like Q2_K's for rows not a multiple of 256, does not
+    /// change the label); "mixed" only when no type holds a majority.
     pub quant: String,
 }
 
@@ -294,11 +296,15 @@ pub fn load(path: &Path) -> Result<ModelFile> {
             .read(&mut reader, content.tensor_data_offset, &Device::Cpu)
             .map_err(|e| r.err(format!("tensor {name}"), format!("cannot read data ({e}); is the file truncated?")))?;
         if name.starts_with("blk.") && shape.len() == 2 {
-            block_types.push(info.ggml_dtype);
+            block_types.push((info.ggml_dtype, shape.iter().product::<usize>()));
         }
         tensors.insert(name.clone(), t);
     }
-    let labels: std::collections::BTreeSet<&str> = block_types.iter().map(|t| quant_label(*t)).collect();
-    let quant = if labels.len() == 1 { labels.into_iter().next().unwrap_or("fp16") } else { "mixed" }.to_string();
+    let mut by_label: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for (t, n) in &block_types {
+        *by_label.entry(quant_label(*t)).or_default() += n;
+    }
+    let total: usize = by_label.values().sum();
+    let quant = by_label.iter().find(|(_, &n)| 2 * n > total).map_or("mixed", |(l, _)| *l).to_string();
     Ok(ModelFile { config, vocab, tensors, quant })
 }

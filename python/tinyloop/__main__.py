@@ -1,8 +1,10 @@
-"""`python -m tinyloop`: command-line access to the engine.
+"""`tinyloop` (or `python -m tinyloop`): command-line access to the engine and the model tools.
 
-    python -m tinyloop info MODEL
-    python -m tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L] [--temperature T] [--seed S]
-    python -m tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
+    tinyloop info MODEL
+    tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L] [--temperature T] [--seed S]
+    tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
+    tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
+    tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
 """
 
 from __future__ import annotations
@@ -43,8 +45,29 @@ def _random_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from .quantize import Options, quantize_file
+
+    opts = Options(bits=args.bits, method=args.method, format=args.format, group_size=args.group_size,
+                   calib=args.calib, act_order=args.act_order, percdamp=args.percdamp, loops=args.loops,
+                   calib_windows=args.calib_windows, calib_window=args.calib_window, progress=not args.quiet)
+    quantize_file(args.input, args.output, opts)
+    return 0
+
+
+def _export_llama(args: argparse.Namespace) -> int:
+    from .export_llama import ExportError, export_llama
+
+    try:
+        export_llama(args.input, args.output, loops=args.loops, progress=not args.quiet)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tinyloop", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="print a model's configuration")
@@ -70,6 +93,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-type", default="F16", choices=["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
     p.set_defaults(run=_random_model)
+
+    p = sub.add_parser("quantize", help="rewrite a model's weights as Q8_0, Q4_0/Q4_1 or Q2_K (RTN or GPTQ)")
+    p.add_argument("input", help="a .tinyloop file (weights of any type; they are dequantized first)")
+    p.add_argument("output")
+    p.add_argument("--bits", type=int, required=True, help="8 (Q8_0), 4 (Q4_0, or Q4_1 with --format) or 2 (Q2_K)")
+    p.add_argument("--method", default="rtn", help="rtn (round to nearest, default) or gptq")
+    p.add_argument("--format", default=None, help="with --bits 4: q4_0 (default) or q4_1")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="values per scale; fixed by the block format (32, or 16 for Q2_K): only that value is accepted")
+    p.add_argument("--calib", default=None, help="GPTQ calibration text (default: a sample of the training split)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    p.add_argument("--percdamp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
+    p.add_argument("--loops", type=int, default=None, help="GPTQ calibration depth (default: the model's)")
+    p.add_argument("--calib-windows", type=int, default=16, help="GPTQ: calibration windows")
+    p.add_argument("--calib-window", type=int, default=256, help="GPTQ: tokens per window")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=_quantize)
+
+    p = sub.add_parser("export-llama", help="write the unrolled model (prelude + k x L layers) as a llama GGUF")
+    p.add_argument("input", help="a .tinyloop file")
+    p.add_argument("output", help="the llama-architecture .gguf to write (tensor types and tokenizer unchanged)")
+    p.add_argument("--loops", type=int, default=None, help="depth to unroll (default: the model's default loops)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_export_llama)
 
     args = parser.parse_args(argv)
     from ._core import TinyloopError

@@ -1,4 +1,5 @@
-"""Write `.tinyloop` model files (GGUF v3, ``general.architecture = "tinyloop"``) from NumPy arrays.
+"""Write `.tinyloop` model files (GGUF v3, ``general.architecture = "tinyloop"``) from NumPy arrays, and read them
+back (``read_gguf``, ``model_config``) for tools such as the quantizer.
 
 The layout is documented key by key in ``docs/format.md``; the Rust loader (``rust/loader.rs``) is its reader.
 Weights are ``(out_features, in_features)`` arrays, as in ``y = x @ W.T``; embeddings are ``(vocab, dim)``.
@@ -23,8 +24,10 @@ WEIGHT_TYPES = {
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "Q2_K": gguf.GGMLQuantizationType.Q2_K,
 }
-_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+# general.file_type (llama.cpp's LlamaFileType) for a file whose matrices are mostly of one type.
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q2_K": 10}
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_NORMS = ("attn_norm", "ffn_norm")
 
@@ -104,7 +107,9 @@ V = gguf.GGUFValueType
 @dataclass
 class GGUFContents:
     """Everything a `.tinyloop` file holds, before it is written: `metadata[key] = (value, type[, item type])`,
-    `tensors[name] = (float32 array, storage type name)`. Tests edit one to build invalid files."""
+    `tensors[name] = (float32 array, storage type name)`; with a quantized type the array may instead be uint8
+    blocks already encoded in that type, `(rows, bytes per row)`, which are written as-is. Tests edit one to build
+    invalid files."""
 
     metadata: dict[str, tuple]
     tensors: dict[str, tuple[np.ndarray, str]]
@@ -130,7 +135,7 @@ def model_contents(
     meta: dict[str, tuple] = {
         "general.architecture": (ARCH, V.STRING),
         "general.name": (cfg.name, V.STRING),
-        "general.file_type": (_FILE_TYPES[weight_type], V.UINT32),
+        "general.file_type": (FILE_TYPES[weight_type], V.UINT32),
     }
     for key, value in _metadata(cfg):
         meta[f"{ARCH}.{key}"] = (value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
@@ -161,14 +166,10 @@ def write_gguf(path: str | PathLike[str], contents: GGUFContents) -> None:
     for key, (value, vtype, *sub) in contents.metadata.items():
         w.add_key_value(key, value, vtype, sub[0] if sub else None)
     for name, (array, ttype) in contents.tensors.items():
-        data = np.ascontiguousarray(array, dtype=np.float32)
-        if ttype == "F32":
-            w.add_tensor(name, data)
-        elif ttype == "F16":
-            w.add_tensor(name, data.astype(np.float16))
+        if ttype in ("F32", "F16"):
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32 if ttype == "F32" else np.float16))
         else:
-            qtype = gguf.GGMLQuantizationType[ttype]
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(name, encoded(array, ttype), raw_dtype=gguf.GGMLQuantizationType[ttype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -188,20 +189,39 @@ def write_model(
     write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab))
 
 
+# ModelConfig field -> its metadata key under "tinyloop.", in the order files list them.
+_METADATA_KEYS = {
+    "context_length": "context_length",
+    "dim": "embedding_length",
+    "ffn_dim": "feed_forward_length",
+    "n_heads": "attention.head_count",
+    "n_kv_heads": "attention.head_count_kv",
+    "rms_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "block_count": "block_count",
+    "prelude_count": "prelude_count",
+    "default_loops": "loops.default",
+    "max_trained_loops": "loops.max_trained",
+}
+_FLOAT_FIELDS = ("rms_eps", "rope_theta")
+
+
 def _metadata(cfg: ModelConfig) -> list[tuple[str, int | float]]:
-    return [
-        ("context_length", cfg.context_length),
-        ("embedding_length", cfg.dim),
-        ("feed_forward_length", cfg.ffn_dim),
-        ("attention.head_count", cfg.n_heads),
-        ("attention.head_count_kv", cfg.n_kv_heads),
-        ("attention.layer_norm_rms_epsilon", float(cfg.rms_eps)),
-        ("rope.freq_base", float(cfg.rope_theta)),
-        ("block_count", cfg.block_count),
-        ("prelude_count", cfg.prelude_count),
-        ("loops.default", cfg.default_loops),
-        ("loops.max_trained", cfg.max_trained_loops),
-    ]
+    return [(key, float(getattr(cfg, f)) if f in _FLOAT_FIELDS else getattr(cfg, f))
+            for f, key in _METADATA_KEYS.items()]
+
+
+def encoded(array: np.ndarray, weight_type: str) -> np.ndarray:
+    """uint8 blocks of a quantized GGUF type: `array` itself when it is already encoded (uint8), else its
+    round-to-nearest encoding (gguf's own encoders; Q2_K, which gguf cannot encode, by `tinyloop.quants`)."""
+    if array.dtype == np.uint8:
+        return np.ascontiguousarray(array)
+    data = np.ascontiguousarray(array, dtype=np.float32)
+    if weight_type == "Q2_K":
+        from .quants import rtn
+
+        return rtn(data, weight_type)[0]
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType[weight_type])
 
 
 def dequantized(array: np.ndarray, weight_type: str) -> np.ndarray:
@@ -211,5 +231,41 @@ def dequantized(array: np.ndarray, weight_type: str) -> np.ndarray:
         return data
     if weight_type == "F16":
         return data.astype(np.float16).astype(np.float32)
-    qtype = WEIGHT_TYPES[weight_type]
-    return gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).astype(np.float32)
+    return gguf.quants.dequantize(encoded(data, weight_type), WEIGHT_TYPES[weight_type]).astype(np.float32)
+
+
+def read_gguf(path: str | PathLike[str]) -> GGUFContents:
+    """A `.tinyloop` file's metadata (every key, as written) and tensors (dequantized to float32, with their stored
+    type names). Raises ValueError for a file that is not GGUF or not a tinyloop model."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a GGUF file ({e})") from e
+    meta: dict[str, tuple] = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):  # the header's own fields (version, counts), not key-value pairs
+            meta[key] = (field.contents(), *field.types)
+    arch = meta.get("general.architecture", (None,))[0]
+    if arch != ARCH:
+        raise ValueError(f"{path}: not a tinyloop model (general.architecture = {arch!r})")
+    tensors = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in WEIGHT_TYPES:
+            raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+        array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        tensors[t.name] = (np.array(array, dtype=np.float32), t.tensor_type.name)  # a copy: no view of the file
+    return GGUFContents(meta, tensors)
+
+
+def model_config(contents: GGUFContents) -> ModelConfig:
+    """The ModelConfig a file's metadata describes (keys as DESIGN section 2 lists them)."""
+    meta = contents.metadata
+    missing = [key for key in _METADATA_KEYS.values() if f"{ARCH}.{key}" not in meta]
+    if missing:
+        raise ValueError(f"metadata key {ARCH}.{missing[0]} is missing")
+    values = {f: meta[f"{ARCH}.{key}"][0] for f, key in _METADATA_KEYS.items()}
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError("metadata key tokenizer.ggml.tokens is missing")
+    name = meta.get("general.name", (ModelConfig.name,))[0]
+    return ModelConfig(**values, vocab_size=len(meta["tokenizer.ggml.tokens"][0]),
+                       tied_head="output.weight" not in contents.tensors, name=name)
