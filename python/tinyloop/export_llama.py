@@ -1,0 +1,117 @@
+"""`tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]`: the unrolled model as a llama-architecture GGUF.
+
+A looped model at depth L is, token for token, a plain transformer with `prelude + k·L` layers in which layer
+`prelude + l·k + j` is block layer j (DESIGN section 1). llama.cpp's "llama" architecture is that transformer
+(RMSNorm pre-norm, SwiGLU, adjacent-pair "norm" RoPE, GQA, tied head when `output.weight` is absent), so the
+export copies every tensor's bytes unchanged — same types, no requantization — and repeats the block's tensors for
+each loop. The tokenizer keys are copied as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+_SCALARS = {  # tinyloop key -> llama key
+    "context_length": "context_length",
+    "embedding_length": "embedding_length",
+    "feed_forward_length": "feed_forward_length",
+    "attention.head_count": "attention.head_count",
+    "attention.head_count_kv": "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon": "attention.layer_norm_rms_epsilon",
+    "rope.freq_base": "rope.freq_base",
+}
+_FILE_TYPE = "general.file_type"
+
+
+class ExportError(ValueError):
+    pass
+
+
+def _value(field: gguf.ReaderField):
+    """A scalar, string or array value of a GGUF field, as Python values."""
+    types = field.types
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        if types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def export_llama(src: str | os.PathLike[str], dst: str | os.PathLike[str], loops: int | None = None,
+                 progress: bool = True) -> int:
+    """Write the unrolled llama GGUF of `src` at depth `loops` (default: the model's); returns the layer count."""
+    path = Path(src)
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf reader raises bare ValueErrors / struct errors on foreign files
+        raise ExportError(f"{path}: not a GGUF file ({e})") from e
+    fields = reader.fields
+    arch = _value(fields["general.architecture"]) if "general.architecture" in fields else None
+    if arch != "tinyloop":
+        raise ExportError(f"{path}: general.architecture is {arch!r}, not 'tinyloop'")
+
+    def key(name: str):
+        return _value(fields[f"tinyloop.{name}"])
+
+    loops = loops if loops is not None else int(key("loops.default"))
+    if not 1 <= loops <= 64:
+        raise ExportError(f"--loops must be in 1..64, got {loops}")
+    k, prelude = int(key("block_count")), int(key("prelude_count"))
+    n_layers = prelude + k * loops
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("embedding_length")) // heads
+
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_name(f"{_value(fields['general.name'])} (unrolled, {loops} loops)")
+    if _FILE_TYPE in fields:
+        w.add_file_type(int(_value(fields[_FILE_TYPE])))
+    for ours, theirs in _SCALARS.items():
+        value = key(ours)
+        vtype = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        w.add_key_value(f"llama.{theirs}", value, vtype)
+    w.add_block_count(n_layers)
+    w.add_rope_dimension_count(head_dim)
+    for name, field in fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(name, _value(field), field.types[0], sub)
+    vocab = len(_value(fields["tokenizer.ggml.tokens"]))
+    w.add_vocab_size(vocab)
+
+    tensors = {t.name: t for t in reader.tensors}
+    plan: list[tuple[str, str]] = [("token_embd.weight", "token_embd.weight")]
+    for i in range(prelude):
+        plan += [(f"blk.{i}.{n}", f"pre.{i}.{n}") for n in _layer_names(tensors, f"pre.{i}.")]
+    for lp in range(loops):
+        for j in range(k):
+            plan += [(f"blk.{prelude + lp * k + j}.{n}", f"blk.{j}.{n}") for n in _layer_names(tensors, f"blk.{j}.")]
+    plan.append(("output_norm.weight", "output_norm.weight"))
+    if "output.weight" in tensors:
+        plan.append(("output.weight", "output.weight"))
+    for out_name, in_name in plan:
+        t = tensors[in_name]
+        # Quantized tensors come as (rows, bytes per row) uint8 and are written back as the same blocks.
+        w.add_tensor(out_name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    total = len(plan)
+    w.write_tensors_to_file(progress=progress)
+    w.close()
+    if progress:
+        print(f"wrote {dst}: {n_layers} llama layers ({prelude} prelude + {k} x {loops} loops), {total} tensors",
+              file=sys.stderr)
+    return n_layers
+
+
+def _layer_names(tensors: dict, prefix: str) -> list[str]:
+    return sorted(n[len(prefix):] for n in tensors if n.startswith(prefix))
