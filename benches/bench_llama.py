@@ -1,0 +1,129 @@
+"""tinyloop next to llama.cpp (llama-cpp-python) on the same weights: the model exported with
+`tinyloop export-llama` (k layers x L loops unrolled into a k*L-layer llama GGUF, same tensor types), greedy,
+2 threads each.
+
+    pip install llama-cpp-python        # compiles llama.cpp (~5 min); not a dependency of the package or the tests
+    pytest benches/bench_llama.py --benchmark-json=.benchmarks/llama.json
+    python benches/report_llama.py .benchmarks/llama.json    # the table in docs/performance.md
+
+`test_greedy_tokens_identical` is the correctness check of the export: llama.cpp's greedy tokens equal tinyloop's
+for 20 prompts on each model. These CPUs have no AMX, so ggml's AMX path (ggml-org/llama.cpp#20824) cannot trigger;
+on a machine with AMX, build llama-cpp-python with CMAKE_ARGS="-DGGML_AMX=OFF" (or set GGML_AMX=OFF) for Q4_0/Q8_0.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+import tinyloop
+from tinyloop import SamplingParams
+from tinyloop.export_llama import export_llama
+from tinyloop.format import ModelConfig, random_weights, write_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_models import CACHE, DEFAULT  # noqa: E402
+
+THREADS = 2
+LOOPS = 8
+SMALL = ModelConfig(dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, block_count=2, context_length=1024, name="random-small")
+# The reference's 407M shape (dim 2048, 16 heads, ffn 8192, k = 4); llama.cpp must stream its 32 unrolled layers.
+SEED = ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed")
+
+
+def _files(name: str, weight_type: str) -> tuple[Path, Path]:
+    """(tinyloop file, unrolled llama GGUF) for a model, built once under .benchmarks/quant/."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if name == "default":
+        src = DEFAULT
+        if weight_type != "F16":
+            from quant_models import model_path
+
+            src = model_path({"Q8_0": "int8", "Q4_0": "int4 RTN"}[weight_type])
+    else:
+        cfg = {"random-small": SMALL, "seed": SEED}[name]
+        src = CACHE / f"{name}-{weight_type}.tinyloop"
+        if not src.exists():
+            write_model(src, cfg, random_weights(cfg, seed=0), weight_type=weight_type)
+    gguf = CACHE / f"{src.stem}-llama{LOOPS}.gguf"
+    if not gguf.exists() or gguf.stat().st_mtime < src.stat().st_mtime:
+        export_llama(src, gguf, loops=LOOPS)
+    return src, gguf
+
+
+def _llama(path: Path, n_ctx: int = 1024):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
+                           n_batch=512, verbose=False, logits_all=False)
+
+
+def _llama_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    llm.reset()
+    out = []
+    for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if len(out) == n:
+            break
+        out.append(tok)
+    return out
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(50000) for _ in range(rng.randint(2, 40))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", ["default", "random-small"])
+def test_greedy_tokens_identical(name):
+    src, gguf = _files(name, "F16")
+    engine, llm = tinyloop.Engine(src), _llama(gguf)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    same = 0
+    for prompt in _prompts(20, seed=1):
+        ours = engine.generate(prompt, params, loops=LOOPS).tokens
+        theirs = _llama_greedy(llm, prompt, 16)
+        same += ours == theirs
+    assert same == 20, f"{same}/20 prompts identical"
+
+
+CASES = [(m, wt) for m in ("default", "seed") for wt in ("F16", "Q8_0", "Q4_0")]
+DECODE = {"default": 64, "seed": 8}
+
+
+@pytest.mark.parametrize("engine_name", ["tinyloop", "llama.cpp"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_decode(benchmark, case, engine_name):
+    name, wt = case
+    src, gguf = _files(name, wt)
+    n = DECODE[name]
+    prompt = [464, 3290, 318]
+    if engine_name == "tinyloop":
+        engine = tinyloop.Engine(src)
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        run = lambda: engine.generate(prompt, params, loops=LOOPS).tokens  # noqa: E731
+    else:
+        llm = _llama(gguf)
+        run = lambda: _llama_greedy(llm, prompt, n)  # noqa: E731
+    out = benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
+    assert len(out) == n
+    benchmark.extra_info.update(kind="decode", model=name, weight_type=wt, engine=engine_name, tokens=n)
+
+
+@pytest.mark.parametrize("engine_name", ["tinyloop", "llama.cpp"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_prefill(benchmark, case, engine_name):
+    name, wt = case
+    src, gguf = _files(name, wt)
+    prompt = [(17 * i) % 50000 for i in range(512)]
+    if engine_name == "tinyloop":
+        engine = tinyloop.Engine(src)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        run = lambda: engine.generate(prompt, params, loops=LOOPS).tokens  # noqa: E731
+    else:
+        llm = _llama(gguf)
+        run = lambda: _llama_greedy(llm, prompt, 1)  # noqa: E731
+    benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
+    benchmark.extra_info.update(kind="prefill", model=name, weight_type=wt, engine=engine_name, tokens=512)

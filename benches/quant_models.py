@@ -1,0 +1,38 @@
+"""The default model in every weight type the quantizer writes, built once with `tinyloop quantize` and cached
+under `.benchmarks/quant/` (rebuilt when the shipped model changes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tinyloop
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
+CACHE = ROOT / ".benchmarks" / "quant"
+
+# name -> `tinyloop quantize` arguments (None: the shipped all-F16 file itself).
+WEIGHTS: dict[str, list[str] | None] = {
+    "fp16": None,
+    "int8": ["--bits", "8"],
+    "int4 RTN": ["--bits", "4"],
+    "int4 GPTQ (Q4_0)": ["--bits", "4", "--method", "gptq"],
+    "int4 GPTQ (Q4_1)": ["--bits", "4", "--method", "gptq", "--format", "q4_1"],
+    "int2": ["--bits", "2"],
+}
+
+
+def model_path(name: str) -> Path:
+    """The default model quantized as `name`, built on first use."""
+    args = WEIGHTS[name]
+    if args is None:
+        return DEFAULT
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower())
+    out = CACHE / f"default-{slug}.tinyloop"
+    if not out.exists() or out.stat().st_mtime < DEFAULT.stat().st_mtime:
+        from tinyloop.__main__ import main
+
+        CACHE.mkdir(parents=True, exist_ok=True)
+        if main(["quantize", str(DEFAULT), str(out), *args]) != 0:
+            raise RuntimeError(f"tinyloop quantize {args} failed")
+    return out

@@ -1,0 +1,31 @@
+"""Table of tinyloop vs llama.cpp from a pytest-benchmark JSON of benches/bench_llama.py (one run, same machine):
+tokens/s of each and the ratio tinyloop / llama.cpp.
+
+    python benches/report_llama.py .benchmarks/llama.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path: str) -> int:
+    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
+    for b in json.load(open(path))["benchmarks"]:
+        e = b["extra_info"]
+        if "engine" not in e:
+            continue
+        rows[(e["kind"], e["model"], e["weight_type"])][e["engine"]] = e["tokens"] / b["stats"]["min"]
+    print("| measure | model | weights | tinyloop tok/s | llama.cpp tok/s | tinyloop / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for (kind, model, wt), r in sorted(rows.items()):
+        if "tinyloop" in r and "llama.cpp" in r:
+            print(f"| {kind} | {model} | {wt} | {r['tinyloop']:.1f} | {r['llama.cpp']:.1f} | "
+                  f"{r['tinyloop'] / r['llama.cpp']:.2f}× |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
