@@ -16,8 +16,8 @@ WEIGHTS: dict[str, list[str] | None] = {
     "fp16": None,
     "int8": ["--bits", "8"],
     "int4 RTN": ["--bits", "4"],
-    "int4 GPTQ (Q4_0)": ["--bits", "4", "--method", "gptq"],
-    "int4 GPTQ (Q4_1)": ["--bits", "4", "--method", "gptq", "--format", "q4_1"],
+    "int4 GPTQ (Q4_0)": ["--bits", "4", "--method", "gptq", "--act-order"],
+    "int4 GPTQ (Q4_1)": ["--bits", "4", "--method", "gptq", "--act-order", "--format", "q4_1"],
     "int2": ["--bits", "2"],
 }
 
