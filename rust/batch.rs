@@ -3,12 +3,18 @@
 //! together, attention runs per sequence over its own cache — so n streams pay for reading the weights once per
 //! step, not n times. Speculative rounds and windowed prefills (which go in chunks) run on their own. A sequence's
 //! result does not depend on its batch-mates: rows never mix outside the matmuls.
+//!
+//! Long prompts are prefilled `PREFILL_CHUNK` tokens per step, so the streams already running keep getting a token
+//! every step while a newcomer's prompt goes in; such a step returns no token and no finish.
 
 use std::sync::Arc;
 
 use crate::engine::{Generator, Step};
 use crate::error::{Error, Result};
 use crate::model::{LogitRows, SeqChunk};
+
+/// Prompt tokens a generator feeds per batched step.
+pub const PREFILL_CHUNK: usize = 256;
 
 enum Plan {
     /// Already known: a verified speculative token waiting, or the end.
@@ -32,7 +38,7 @@ impl Generator {
             Some(_) if self.spec.is_some() => Plan::Solo,
             Some(t) => Plan::Batch(key, vec![t]),
             None if self.cache.window() > 0 => Plan::Solo,
-            None => Plan::Batch(key, self.prompt.clone()),
+            None => Plan::Batch(key, self.prompt[self.pos..(self.pos + PREFILL_CHUNK).min(self.prompt.len())].to_vec()),
         }
     }
 }
@@ -93,6 +99,10 @@ fn run_group(members: &mut [(usize, &mut Generator, &[u32])]) -> Result<()> {
     for ((_, g, feed), mut row) in members.iter_mut().zip(logits) {
         g.pending = None;
         g.pos += feed.len();
+        if g.output.is_empty() && g.pos < g.prompt.len() {
+            g.ready.push_back(Step { token: None, finish: None }); // more prompt to go: no token yet
+            continue;
+        }
         let token = g.sampler.sample(&mut row);
         let step = g.emit(token);
         g.ready.push_back(step);

@@ -206,7 +206,7 @@ impl Generator {
         }
         let feed: Vec<u32> = match self.pending.take() {
             Some(t) => vec![t],
-            None => self.prompt.clone(),
+            None => self.prompt[self.pos..].to_vec(), // all of it, or what batched steps have not fed yet
         };
         // A windowed cache holds a bounded number of positions, so its prompt goes in chunks.
         let chunk = if self.cache.window() > 0 { WINDOW_PREFILL_CHUNK } else { feed.len() };

@@ -98,3 +98,23 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
         held.cancel()
 
     asyncio.run(main())
+
+
+def test_long_prompts_prefill_in_chunks_while_others_keep_decoding(tiny):
+    engine = tinyloop.Engine(tiny.path, max_seq_len=1000)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    long_prompt = [(i * 37 + 11) % 50000 for i in range(600)]  # 3 chunks of at most 256
+    short = engine.stream([7, 8, 9], params, loops=3)
+    assert engine.step_many([short])[0].token_id >= 0
+    long = engine.stream(long_prompt, params, loops=3)
+    events = [engine.step_many([short, long]) for _ in range(3)]
+    # While the long prompt goes in (two steps without a token), the short stream gets a token every step.
+    assert [ev[1].token_id for ev in events[:2]] == [-1, -1] and events[2][1].token_id >= 0
+    assert all(ev[0].token_id >= 0 and ev[1].finish_reason is None for ev in events)
+    tokens = [events[2][1].token_id]
+    while True:
+        (ev,) = engine.step_many([long])
+        tokens.append(ev.token_id)
+        if ev.finish_reason:
+            break
+    assert tokens == engine.generate(long_prompt, params, loops=3).tokens

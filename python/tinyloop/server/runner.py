@@ -126,5 +126,7 @@ class EngineRunner:
                     self.metrics.generation_tokens.inc()
                 if event.finish_reason is not None:
                     self._retire(job)
+                elif event.token_id < 0:
+                    continue  # a step of a long prompt's chunked prefill: nothing to hand out yet
                 self._deliver(job, event)
             self._update_gauges()
