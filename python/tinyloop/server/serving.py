@@ -115,14 +115,15 @@ class Request:
         finally:
             self.cancel()
 
-    async def merged_deltas(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, delta, finish) from all choices as they come."""
+    async def merged_deltas(self) -> AsyncIterator[tuple[int, str, str | None, int]]:
+        """(choice index, delta, finish, tokens so far) from all choices as they come. The token count is taken
+        when the delta is made: the choice may already have produced more by the time the consumer reads it."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, c: ChoiceRun) -> None:
             try:
                 async for delta, finish in c.deltas():
-                    await queue.put((i, delta, finish))
+                    await queue.put((i, delta, finish, len(c.tokens)))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer, which re-raises
                 await queue.put(e)
 
@@ -262,7 +263,7 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, r: Request
 
     for i in range(len(r.choices)):
         yield chunk(i, {"role": "assistant"}, None)
-    async for i, delta, finish in r.merged_deltas():
+    async for i, delta, finish, _ in r.merged_deltas():
         if delta:
             yield chunk(i, {"content": delta}, None)
         if finish is not None:
@@ -282,7 +283,7 @@ async def completion_stream(state: ServerState, req: CompletionRequest, r: Reque
             c["usage"] = None
         return sse(c)
 
-    async for i, delta, finish in r.merged_deltas():
+    async for i, delta, finish, _ in r.merged_deltas():
         if delta:
             yield chunk(i, delta, None)
         if finish is not None:
@@ -325,9 +326,9 @@ async def generate_stream(r: Request) -> AsyncIterator[bytes]:
     """Native SSE: one event per token with its text delta, then the token_id -1 tail event, then [DONE]."""
     c = r.choices[0]
     seen = 0
-    async for _, delta, finish in r.merged_deltas():
-        new = c.tokens[seen:]
-        seen = len(c.tokens)
+    async for _, delta, finish, count in r.merged_deltas():
+        new = c.tokens[seen:count]
+        seen = count
         for k, t in enumerate(new):
             yield sse({"token_id": t, "text": delta if k == len(new) - 1 else ""})
         if new:
