@@ -89,7 +89,8 @@ def test_greedy_tokens_identical(name):
     assert same == 20, f"{same}/20 prompts identical"
 
 
-CASES = [(m, wt) for m in ("default", "seed") for wt in ("F16", "Q8_0", "Q4_0")]
+# The seed shape in Q4_0 only: its F16 export would be a 3.2 GB file.
+CASES = [("default", wt) for wt in ("F16", "Q8_0", "Q4_0")] + [("seed", "Q4_0")]
 DECODE = {"default": 64, "seed": 8}
 
 

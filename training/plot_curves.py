@@ -1,6 +1,7 @@
-"""Plot a training run's loss curves (per exit depth) and held-out evaluations from its log.json.
+"""Plot a training run's loss curves (per exit depth) and held-out evaluations from its log.json; several logs
+(consecutive phases, e.g. a run continued with --resume) are drawn end to end.
 
-    python training/plot_curves.py data/run/log.json docs/model_training.png
+    python training/plot_curves.py data/run/log.json [data/run2/log.json ...] docs/model_training.png
 """
 
 from __future__ import annotations
@@ -10,14 +11,27 @@ import sys
 from pathlib import Path
 
 
-def main(log_path: str, out: str) -> int:
+def _joined(paths: list[str]) -> dict:
+    """One log of consecutive phases: later steps' times and tokens offset by what came before."""
+    steps, evals, t0, tok0 = [], [], 0.0, 0
+    for path in paths:
+        log = json.loads(Path(path).read_text())
+        steps += [s | {"t": s["t"] + t0} for s in log["steps"]]
+        evals += [e | {"tokens": e["tokens"] + tok0} for e in log["evals"]]
+        t0 = steps[-1]["t"] if steps else t0
+        tok0 += log.get("final", {}).get("tokens", 0)
+    return {"steps": steps, "evals": evals}
+
+
+def main(*args: str) -> int:
+    *logs, out = args
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    log = json.loads(Path(log_path).read_text())
+    log = _joined(logs)
     steps = log["steps"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     t = np.array([s["t"] / 60 for s in steps])
@@ -59,4 +73,4 @@ def _smooth(y, k: int = 25):
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:]))
