@@ -8,7 +8,10 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use std::sync::Arc;
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::{Error, Result};
@@ -66,6 +69,22 @@ pub enum LogitRows {
     All,
 }
 
+/// candle's AVX-512 VNNI kernels for Q8_0 (repacked tiles, for one row and for many) need the output count to be a
+/// multiple of 16; the 50,257-row head is not, and would fall back to the generic per-block dot product (several
+/// times slower, and most of a decode step). Zero rows pad it; `Model::logits` drops their outputs.
+fn pad_rows_for_kernels(t: Arc<QTensor>) -> Result<Arc<QTensor>> {
+    const TILE: usize = 16;
+    let (rows, cols) = t.shape().dims2()?;
+    if t.dtype() != GgmlDType::Q8_0 || rows % TILE == 0 {
+        return Ok(t);
+    }
+    let padded_rows = rows.div_ceil(TILE) * TILE;
+    let mut raw = t.data()?.into_owned();
+    let row_bytes = raw.len() / rows;
+    raw.resize(padded_rows * row_bytes, 0); // all-zero Q8_0 blocks: scale 0, so the padded logits are 0
+    Ok(Arc::new(qtensor_from_ggml(GgmlDType::Q8_0, &raw, vec![padded_rows, cols], &Device::Cpu)?))
+}
+
 fn take(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QTensor> {
     tensors.remove(name).ok_or_else(|| Error::Internal(format!("tensor {name} vanished after validation")))
 }
@@ -98,12 +117,10 @@ impl Model {
     pub fn new(file: ModelFile) -> Result<Self> {
         let ModelFile { config: cfg, mut tensors, .. } = file;
         let all_f32 = tensors.values().all(|t| t.dtype() == candle_core::quantized::GgmlDType::F32);
-        let head = match tensors.remove("output.weight") {
-            Some(t) => Some(QMatMul::from_qtensor(t)?),
-            None => None,
-        };
-        let embd = matmul(&mut tensors, "token_embd.weight")?;
-        let head = head.unwrap_or_else(|| embd.clone());
+        let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
+        let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
+        let embd = QMatMul::from_arc(embd_t)?;
+        let head = QMatMul::from_arc(pad_rows_for_kernels(head_t)?)?;
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
         let prelude = (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
         let block = (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
@@ -163,7 +180,11 @@ impl Model {
     /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?;
-        Ok(self.head.forward(&h)?.to_dtype(DType::F32)?)
+        let logits = self.head.forward(&h)?.to_dtype(DType::F32)?;
+        match logits.dim(candle_core::D::Minus1)? {
+            n if n == self.cfg.vocab_size => Ok(logits),
+            _ => Ok(logits.narrow(candle_core::D::Minus1, 0, self.cfg.vocab_size)?.contiguous()?),
+        }
     }
 
     /// The whole model at depth `loops` over new tokens of each sequence, returning logits.

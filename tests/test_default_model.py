@@ -67,3 +67,32 @@ def test_speculative_greedy_equals_plain_on_the_default_model(kv_cache_mode):
         plain = engine.generate(prompt, params, loops=8)
         spec = engine.generate(prompt, params, loops=8, draft=draft, k_branches=branches)
         assert spec.tokens == plain.tokens, (prompt, draft, branches)
+
+
+def test_batched_steps_equal_solo_generation_on_the_default_model(tmp_path):
+    """Continuous batching with the real shapes (dim 256: candle's repacked AVX-512 kernels for one row and for
+    many, and the padded head) gives every stream its solo output — in F16 and in a Q8_0 copy."""
+    import random
+
+    from tinyloop import SamplingParams
+    from tinyloop.__main__ import main
+
+    q8 = tmp_path / "q8.tinyloop"
+    assert main(["quantize", str(DEFAULT), str(q8), "--bits", "8", "--quiet"]) == 0
+    rng = random.Random(5)
+    text = SAMPLE.read_text().split()
+    for path in (DEFAULT, q8):
+        engine = tinyloop.Engine(path)
+        prompts = [" ".join(text[s : s + rng.randint(1, 30)]) for s in rng.sample(range(len(text) - 40), 8)]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        alone = [engine.generate(p, params, loops=8).tokens for p in prompts]
+        streams = [engine.stream(p, params, loops=8) for p in prompts]
+        got: list[list[int]] = [[] for _ in prompts]
+        while any(s is not None for s in streams):
+            live = [(i, s) for i, s in enumerate(streams) if s is not None]
+            for (i, s), ev in zip(live, engine.step_many([s for _, s in live])):
+                if ev.token_id >= 0:
+                    got[i].append(ev.token_id)
+                if ev.finish_reason is not None:
+                    streams[i] = None
+        assert got == alone, path
