@@ -13,14 +13,15 @@ from pathlib import Path
 
 def _joined(paths: list[str]) -> dict:
     """One log of consecutive phases: later steps' times and tokens offset by what came before."""
-    steps, evals, t0, tok0 = [], [], 0.0, 0
+    steps, evals, t0, tok0, starts = [], [], 0.0, 0, []
     for path in paths:
         log = json.loads(Path(path).read_text())
+        starts.append(t0)
         steps += [s | {"t": s["t"] + t0} for s in log["steps"]]
         evals += [e | {"tokens": e["tokens"] + tok0} for e in log["evals"]]
         t0 = steps[-1]["t"] if steps else t0
         tok0 += log.get("final", {}).get("tokens", 0)
-    return {"steps": steps, "evals": evals}
+    return {"steps": steps, "evals": evals, "phase_starts": starts[1:]}
 
 
 def main(*args: str) -> int:
@@ -40,7 +41,9 @@ def main(*args: str) -> int:
         a.plot(t, _smooth(y), label=label)
     final = np.array([s[f"loss@{s['L']}"] for s in steps], dtype=float)
     a.plot(t, _smooth(final), label="final exit (loop L)")
-    a.set_xlabel("minutes")
+    for t in log["phase_starts"]:
+        a.axvline(t / 60, color="gray", ls=":", lw=1)
+    a.set_xlabel("minutes (dotted: training continued with --resume)")
     a.set_ylabel("training loss (smoothed)")
     a.set_ylim(top=min(10, np.nanmax(final)))
     a.legend()
@@ -67,7 +70,7 @@ def _smooth(y, k: int = 25):
     for i in range(len(y)):
         w = y[max(0, i - k + 1) : i + 1]
         w = w[~np.isnan(w)]
-        if len(w):
+        if len(w) >= min(5, k):
             out[i] = w.mean()
     return out
 

@@ -183,7 +183,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(train, args.batch, args.context, np.random.default_rng(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
-    log = {"args": vars(args) | {"data": str(args.data), "out": str(args.out)}, "steps": [], "evals": []}
+    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": [], "evals": []}
     budget = args.minutes * 60
     start = last_eval = time.time()
     step, tokens, ema = 0, 0, None
