@@ -95,7 +95,11 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
         assert e.value.body()["error"]["code"] == "server_overloaded" and "2 waiting" in e.value.message
         assert runner.metrics.requests_waiting._value.get() == 2
+        # Waiting requests whose client went away free their places.
         held.cancel()
+        again = serving.start_completion(state, CompletionRequest(model="m", prompt="z", max_tokens=3))
+        assert len(again.choices) == 1
+        again.cancel()
 
     asyncio.run(main())
 

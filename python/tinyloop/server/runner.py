@@ -36,7 +36,7 @@ class Job:
     last_token: float | None = None
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self.cancelled = True  # a running job leaves at the next step; a waiting one when the queue is next read
 
     async def events(self):
         """Step events until the finishing one; an engine failure is raised here."""
@@ -70,6 +70,7 @@ class EngineRunner:
                                     cache_window=cache_window)
         job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
         with self._cv:
+            self._drop_cancelled_waiting()
             if len(self._running) + len(self._waiting) >= self.max_running + self.max_waiting:
                 raise Overloaded(f"the server is at capacity ({len(self._running)} requests running, "
                                  f"{len(self._waiting)} waiting); retry shortly")
@@ -77,6 +78,11 @@ class EngineRunner:
             self.metrics.requests_waiting.set(len(self._waiting))
             self._cv.notify()
         return job
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Forget waiting jobs whose client went away (caller holds the lock)."""
+        if any(j.cancelled for j in self._waiting):
+            self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
 
     def _update_gauges(self) -> None:
         """Called from the engine thread only (it owns `_running`)."""
@@ -99,10 +105,14 @@ class EngineRunner:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._running and not self._waiting:
+                while True:  # sleep until something can run (never spin on a queue that cannot move)
+                    self._drop_cancelled_waiting()
+                    while self._waiting and len(self._running) < self.max_running:
+                        self._running.append(self._waiting.popleft())
+                    if self._running:
+                        break
+                    self.metrics.requests_waiting.set(len(self._waiting))
                     self._cv.wait()
-                while self._waiting and len(self._running) < self.max_running:
-                    self._running.append(self._waiting.popleft())
             for job in [j for j in self._running if j.cancelled]:
                 self._retire(job)
             active = list(self._running)
