@@ -47,10 +47,11 @@ def decode_ratios(bench_json: Path | None) -> dict[str, float]:
 def measure(heldout: Path, tokens: int, bench_json: Path | None) -> dict:
     results = []
     speed = decode_ratios(bench_json)
+    ids: list[int] = []  # every file has the same vocabulary: tokenize the held-out text once
     for weights, kv in ROWS:
         path = model_path(weights)
         engine = tinyloop.Engine(path, kv_cache_mode=kv)
-        ids = held_out_ids(engine, heldout.read_text(), tokens)
+        ids = ids or held_out_ids(engine, heldout.read_text(), tokens)
         ev = evaluate(engine, ids, engine.info.max_seq_len - 1, depths=[LOOPS], progress=False)
         row = {"weights": weights, "kv": kv, "quant": engine.info.quant, "perplexity": ev["perplexity"][LOOPS],
                "tokens": ev["tokens"], "file_mb": path.stat().st_size / 1e6,

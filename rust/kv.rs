@@ -285,13 +285,14 @@ impl<T: KvElem> Slot<T> {
             let from = visible_from(i).max(base);
             let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
             let visible = (from..layout.prefix[i]).chain(extra.iter().copied()).map(|t| t - base);
-            let mut qr = q[idx * hd..(idx + 1) * hd].to_vec();
+            let q_row = &q[idx * hd..(idx + 1) * hd];
             if rotate {
+                let mut qr = q_row.to_vec();
                 hadamard(&mut qr);
-            }
-            attend_one(&qr, &head, visible, hd, scale, o);
-            if rotate {
+                attend_one(&qr, &head, visible, hd, scale, o);
                 hadamard(o);
+            } else {
+                attend_one(q_row, &head, visible, hd, scale, o);
             }
         };
         let work: usize = layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;

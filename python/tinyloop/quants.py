@@ -9,6 +9,7 @@ is ``gguf.quants.dequantize``. Arrays of parameters are shaped ``(rows, blocks, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import gguf
@@ -41,8 +42,9 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class BlockFormat:
-    """A ggml block type: `block` values per stored block, `sub` values per scale (GPTQ fits per stored block)."""
+class BlockFormat(ABC):
+    """A ggml block type: `block` values per stored block, `sub` values per scale (GPTQ fits per stored block).
+    Each format (Q8_0, Q4_0, Q4_1, Q2_K below) implements fit / quantize / pack."""
 
     name: str
     block: int
@@ -53,16 +55,17 @@ class BlockFormat:
         rows, cols = w.shape
         return np.asarray(w, dtype=f32).reshape(rows, cols // self.block, self.block // self.sub, self.sub)
 
+    @abstractmethod
     def fit(self, w: np.ndarray) -> Params:
-        raise NotImplementedError
+        """Parameters (scales, mins) of each block of `w` (rows, cols)."""
 
+    @abstractmethod
     def quantize(self, x: np.ndarray, p: Params) -> tuple[np.ndarray, np.ndarray]:
         """Codes and their dequantized values for `x`, with parameters `p` broadcast to x's shape."""
-        raise NotImplementedError
 
+    @abstractmethod
     def pack(self, codes: np.ndarray, p: Params) -> np.ndarray:
         """(rows, cols) codes + fitted params -> (rows, bytes per row) uint8, in ggml's block layout."""
-        raise NotImplementedError
 
 
 class Q8_0(BlockFormat):
