@@ -61,6 +61,14 @@ pub struct TreeRows {
     pub rope: Vec<usize>,
 }
 
+/// Rows of one sequence on their way through loops `loops` (see `Model::run_blocks`); `x` holds their hidden
+/// states, `(seq.tokens.len(), dim)`, and is replaced by the output.
+pub struct RowBlock<'a> {
+    pub seq: SeqChunk<'a>,
+    pub x: Tensor,
+    pub loops: Range<usize>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitRows {
     /// Only each sequence's last row: `(n_seqs, vocab)`.
@@ -175,6 +183,62 @@ impl Model {
             }
         }
         Ok(x)
+    }
+
+    /// Advance several sequences' rows, each through its own loop range, in shared passes: every loop runs once,
+    /// over the rows of all blocks whose range holds it (the prelude first, for blocks starting at loop 0). This is
+    /// how a speculative draft or verification shares its weight reads with plain rows of other sequences.
+    pub fn run_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
+        let (Some(first), Some(last)) =
+            (blocks.iter().map(|b| b.loops.start).min(), blocks.iter().map(|b| b.loops.end).max())
+        else {
+            return Ok(());
+        };
+        if last > MAX_LOOPS {
+            return Err(Error::InvalidArgument(format!("loops must be at most {MAX_LOOPS}, got {last}")));
+        }
+        if !self.prelude.is_empty() {
+            self.advance(blocks, |b| b.loops.start == 0, |x, seqs| {
+                self.prelude.iter().enumerate().try_fold(x, |x, (i, layer)| self.layer_forward(layer, &x, seqs, i))
+            })?;
+        }
+        for lp in first..last {
+            self.advance(blocks, |b| b.loops.contains(&lp), |x, seqs| {
+                self.block.iter().enumerate().try_fold(x, |x, (j, layer)| self.layer_forward(layer, &x, seqs, self.slot(lp, j)))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Apply `f` to the stacked rows of the blocks `take` selects, and split the result back into them.
+    fn advance(
+        &self,
+        blocks: &mut [RowBlock],
+        take: impl Fn(&RowBlock) -> bool,
+        f: impl FnOnce(Tensor, &mut [SeqChunk]) -> Result<Tensor>,
+    ) -> Result<()> {
+        let chosen: Vec<&mut RowBlock> = blocks.iter_mut().filter(|b| take(b)).collect();
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        let xs: Vec<&Tensor> = chosen.iter().map(|b| &b.x).collect();
+        let x = if xs.len() == 1 { xs[0].clone() } else { Tensor::cat(&xs, 0)? };
+        let mut rows = Vec::with_capacity(chosen.len());
+        let mut seqs: Vec<SeqChunk> = chosen
+            .into_iter()
+            .map(|RowBlock { seq, x, .. }| {
+                rows.push((seq.tokens.len(), x));
+                SeqChunk { cache: &mut *seq.cache, pos: seq.pos, tokens: seq.tokens, tree: seq.tree }
+            })
+            .collect();
+        let y = f(x, &mut seqs)?;
+        drop(seqs);
+        let mut off = 0;
+        for (n, x) in rows {
+            *x = y.narrow(0, off, n)?;
+            off += n;
+        }
+        Ok(())
     }
 
     /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.

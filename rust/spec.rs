@@ -13,7 +13,7 @@ use crate::engine::Generator;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::loader::MAX_LOOPS;
-use crate::model::SeqChunk;
+use crate::batch::{Member, Work};
 
 pub use crate::tree::top_k;
 
@@ -27,6 +27,17 @@ pub struct SpecConfig {
 
 /// Most rows one verification pass may hold (`k_branches · draft_ahead`).
 pub const MAX_TREE_ROWS: usize = 64;
+
+/// A chain round in flight: row j feeds `inputs[j]` at position pos + j; the drafts' hidden states after loops
+/// `0..draft_loops` are where verification resumes.
+pub(crate) struct ChainRound {
+    pub cfg: SpecConfig,
+    /// Rows drafted this round (`draft_ahead`, fewer near `max_tokens`).
+    pub k: usize,
+    pub inputs: Vec<u32>,
+    pub hidden: Vec<Tensor>,
+    proposals: Vec<Vec<(u32, f64)>>,
+}
 
 /// Counters of drafted tokens (LM Studio's names in the API).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -50,41 +61,44 @@ impl Generator {
         Ok(self)
     }
 
-    /// One draft + verify round; queues the verified steps in `self.ready`.
+    /// One draft + verify round; queues the verified steps in `self.ready`. Chain rounds run through the batch
+    /// scheduler (rust/batch.rs), here as a batch of one.
     pub(crate) fn speculative_round(&mut self, cfg: SpecConfig) -> Result<()> {
         if cfg.k_branches > 1 {
             return self.tree_round(cfg);
         }
-        let model = &self.engine.model;
-        let x0 = self.pending.take().ok_or_else(|| Error::Internal("speculative round without a pending token".into()))?;
+        crate::batch::run_group(&mut [Member { gen: self, work: Work::Chain(cfg) }])
+    }
+
+    /// Begin a chain round from the pending token (which stays pending until `finish_chain`, so a failed pass
+    /// leaves the generator as it was).
+    pub(crate) fn start_chain(&self, cfg: SpecConfig) -> Result<ChainRound> {
+        let x0 = self.pending.ok_or_else(|| Error::Internal("speculative round without a pending token".into()))?;
         let remaining = self.sampler.params().max_tokens - self.output.len();
         let k = cfg.draft_ahead.min(remaining).max(1);
-        // Draft: row j feeds inputs[j] at position pos + j through loops 0..d and proposes inputs[j + 1], drawn
-        // from the draft distribution q_j (the request's own temperature / top-k / top-p / penalties).
-        let mut inputs = vec![x0];
-        let mut hidden = Vec::with_capacity(k);
-        let mut proposals = Vec::with_capacity(k);
-        for j in 0..k {
-            let tok = [inputs[j]];
-            let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos + j, tokens: &tok, tree: None }];
-            let h = model.run(model.embed(&tok)?, &mut seqs, true, 0..cfg.draft_loops)?;
-            let mut logits = model.logits(&h)?.flatten_all()?.to_vec1::<f32>()?;
-            let q = self.sampler.distribution(&mut logits);
-            inputs.push(self.sampler.draw(&q));
-            proposals.push(q);
-            hidden.push(h);
-        }
-        // Verify rows 0..k in one pass over the remaining loops.
-        let mut seqs = [SeqChunk { cache: &mut self.cache, pos: self.pos, tokens: &inputs[..k], tree: None }];
-        let h = model.run(Tensor::cat(&hidden, 0)?, &mut seqs, false, cfg.draft_loops..self.loops)?;
-        let logits = model.logits(&h)?.to_vec2::<f32>()?;
+        Ok(ChainRound { cfg, k, inputs: vec![x0], hidden: Vec::with_capacity(k), proposals: Vec::with_capacity(k) })
+    }
+
+    /// Draft row `j` went through loops `0..draft_loops` to hidden state `h` with draft logits `logits`: draw the
+    /// proposal from the draft distribution q_j (the request's own temperature / top-k / top-p / penalties).
+    pub(crate) fn propose(&mut self, round: &mut ChainRound, h: Tensor, mut logits: Vec<f32>) {
+        let q = self.sampler.distribution(&mut logits);
+        round.inputs.push(self.sampler.draw(&q));
+        round.proposals.push(q);
+        round.hidden.push(h);
+    }
+
+    /// The verifier's logits for rows `0..k` (loops `draft_loops..verify_loops` over the drafts' hidden states):
+    /// emit the verified tokens and roll back the rows after the first disagreement.
+    pub(crate) fn finish_chain(&mut self, round: ChainRound, logits: Vec<Vec<f32>>) {
+        self.pending = None;
         self.draft.rounds += 1;
-        self.draft.proposed += k;
+        self.draft.proposed += round.k;
         let mut fed = 0;
-        for (j, (mut row, q)) in logits.into_iter().zip(&proposals).enumerate() {
+        for (j, (mut row, q)) in logits.into_iter().zip(&round.proposals).enumerate() {
             fed = j + 1; // rows 0..=j hold tokens that are part of the output: their K/V stays
             let p = self.sampler.distribution(&mut row);
-            let (token, agreed) = self.verify(inputs[j + 1], &p, q);
+            let (token, agreed) = self.verify(round.inputs[j + 1], &p, q);
             let step = self.emit(token);
             self.ready.push_back(step);
             self.draft.accepted += usize::from(agreed);
@@ -94,7 +108,6 @@ impl Generator {
         }
         self.pos += fed;
         self.cache.truncate(self.pos);
-        Ok(())
     }
 
     /// Speculative sampling: keep the draft `t` with probability min(1, p(t)/q(t)), else draw from the

@@ -13,6 +13,10 @@ from tinyloop import SamplingParams
 from conftest import TINY
 
 
+SPECULATIVE = {4: {"loops": 5, "draft": (2, 3)}, 5: {"loops": 5, "draft": (1, 4)},
+               8: {"loops": 5, "draft": (3, 2), "cache_window": 6}, 9: {"loops": 3, "draft": (1, 2), "k_branches": 2}}
+
+
 def _requests(seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
@@ -21,9 +25,11 @@ def _requests(seed: int) -> list[dict]:
         sampled = i % 3 == 1
         params = SamplingParams(temperature=0.9 if sampled else 0.0, top_p=0.9, seed=100 + i,
                                 max_tokens=rng.randint(3, 24), ignore_eos=i % 2 == 0)
-        kw: dict = {"loops": rng.choice([1, 2, 3, 5])}
-        if i == 4:
-            kw = {"loops": 5, "draft": (2, 3)}  # speculative: runs its own rounds between batched steps
+        kw: dict = {"loops": 5 if i == 2 else rng.choice([1, 2, 3, 5])}
+        # Speculative rounds share their passes with the plain streams of their verify depth (5): drafts at
+        # different depths, sampled and greedy; a tree round runs on its own between batched steps.
+        if i in SPECULATIVE:
+            kw = SPECULATIVE[i]
         if i == 7:
             kw["cache_window"] = 5  # windowed: prefills in chunks on its own, then decodes in the batch
         out.append({"prompt": prompt, "params": params, "kw": kw})
@@ -31,13 +37,16 @@ def _requests(seed: int) -> list[dict]:
 
 
 def _alone(engine, reqs):
-    return [engine.generate(r["prompt"], r["params"], **r["kw"]).tokens for r in reqs]
+    """Each request's tokens and draft counters when it runs by itself."""
+    runs = [engine.generate(r["prompt"], r["params"], **r["kw"]) for r in reqs]
+    return [(g.tokens, (g.draft_rounds, g.draft_proposed, g.draft_accepted)) for g in runs]
 
 
 def _batched(engine, reqs, join_every: int):
     """Step all streams together; request j joins after j * join_every batched steps."""
     streams: list = []
     tokens: list[list[int]] = [[] for _ in reqs]
+    stats: list = [None] * len(reqs)
     step = 0
     while len(streams) < len(reqs) or any(s is not None for s in streams):
         while len(streams) < len(reqs) and len(streams) * join_every <= step:
@@ -49,9 +58,10 @@ def _batched(engine, reqs, join_every: int):
             if ev.token_id >= 0:
                 tokens[i].append(ev.token_id)
             if ev.finish_reason is not None:
+                stats[i] = s.draft_stats
                 streams[i] = None
         step += 1
-    return tokens
+    return list(zip(tokens, stats))
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0"])
@@ -59,6 +69,7 @@ def test_batched_outputs_equal_solo_outputs(model_factory, weight_type):
     engine = tinyloop.Engine(model_factory(TINY, weight_type=weight_type).path)
     reqs = _requests(seed=len(weight_type))
     alone = _alone(engine, reqs)
+    assert all(alone[i][1][0] > 0 for i in SPECULATIVE)  # the speculative requests did draft
     assert _batched(engine, reqs, join_every=0) == alone  # all start together
     assert _batched(engine, reqs, join_every=3) == alone  # staggered arrivals join running batches
 
