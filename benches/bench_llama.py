@@ -94,17 +94,27 @@ CASES = [("default", wt) for wt in ("F16", "Q8_0", "Q4_0")] + [("seed", "Q4_0")]
 DECODE = {"default": 64, "seed": 8}
 
 
-@pytest.mark.parametrize("engine_name", ["tinyloop", "llama.cpp"])
+# Self-speculative decoding: drafts at 2 loops, 4 ahead, verified at 8 (greedy, so the same tokens as plain).
+SPEC = (2, 4)
+
+
+def _engine(src: Path) -> tinyloop.Engine:
+    # Context 1024 like llama.cpp's (the default model was trained at 512; speed does not care).
+    return tinyloop.Engine(src, max_seq_len=1024)
+
+
+@pytest.mark.parametrize("engine_name", ["tinyloop", "tinyloop-spec", "llama.cpp"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_decode(benchmark, case, engine_name):
     name, wt = case
     src, gguf = _files(name, wt)
     n = DECODE[name]
     prompt = [464, 3290, 318]
-    if engine_name == "tinyloop":
-        engine = tinyloop.Engine(src)
+    if engine_name.startswith("tinyloop"):
+        engine = _engine(src)
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        run = lambda: engine.generate(prompt, params, loops=LOOPS).tokens  # noqa: E731
+        draft = SPEC if engine_name == "tinyloop-spec" else None
+        run = lambda: engine.generate(prompt, params, loops=LOOPS, draft=draft).tokens  # noqa: E731
     else:
         llm = _llama(gguf)
         run = lambda: _llama_greedy(llm, prompt, n)  # noqa: E731
@@ -120,7 +130,7 @@ def test_prefill(benchmark, case, engine_name):
     src, gguf = _files(name, wt)
     prompt = [(17 * i) % 50000 for i in range(512)]
     if engine_name == "tinyloop":
-        engine = tinyloop.Engine(src)
+        engine = _engine(src)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         run = lambda: engine.generate(prompt, params, loops=LOOPS).tokens  # noqa: E731
     else:
@@ -128,3 +138,36 @@ def test_prefill(benchmark, case, engine_name):
         run = lambda: _llama_greedy(llm, prompt, 1)  # noqa: E731
     benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(kind="prefill", model=name, weight_type=wt, engine=engine_name, tokens=512)
+
+
+_RSS_SCRIPT = """
+import resource, sys
+src, gguf, engine, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+prompt = [(17 * i) % 50000 for i in range(256)]
+if engine == "tinyloop":
+    import tinyloop
+    e = tinyloop.Engine(src, max_seq_len=1024)
+    e.generate(prompt, tinyloop.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), loops=8)
+else:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
+    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)):
+        if i + 1 == n:
+            break
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+@pytest.mark.parametrize("engine_name", ["tinyloop", "llama.cpp"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_peak_rss(benchmark, case, engine_name):
+    """Peak resident memory of a fresh process that loads the model, prefills 256 tokens and decodes a few."""
+    import subprocess
+
+    name, wt = case
+    src, gguf = _files(name, wt)
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(src), str(gguf), engine_name, "4"],
+                         capture_output=True, text=True, check=True)
+    kib = int(out.stdout.split()[-1])
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    benchmark.extra_info.update(kind="peak_rss", model=name, weight_type=wt, engine=engine_name, rss_mib=kib / 1024)

@@ -13,17 +13,28 @@ from collections import defaultdict
 
 def main(path: str) -> int:
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
+    rss: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for b in json.load(open(path))["benchmarks"]:
         e = b["extra_info"]
         if "engine" not in e:
+            continue
+        if e["kind"] == "peak_rss":
+            rss[(e["model"], e["weight_type"])][e["engine"]] = e["rss_mib"]
             continue
         rows[(e["kind"], e["model"], e["weight_type"])][e["engine"]] = e["tokens"] / b["stats"]["min"]
     print("| measure | model | weights | tinyloop tok/s | llama.cpp tok/s | tinyloop / llama.cpp |")
     print("|---|---|---|---|---|---|")
     for (kind, model, wt), r in sorted(rows.items()):
-        if "tinyloop" in r and "llama.cpp" in r:
-            print(f"| {kind} | {model} | {wt} | {r['tinyloop']:.1f} | {r['llama.cpp']:.1f} | "
-                  f"{r['tinyloop'] / r['llama.cpp']:.2f}× |")
+        for ours, label in (("tinyloop", kind), ("tinyloop-spec", f"{kind}, self-speculative (2, 4) vs plain")):
+            if ours in r and "llama.cpp" in r:
+                print(f"| {label} | {model} | {wt} | {r[ours]:.1f} | {r['llama.cpp']:.1f} | "
+                      f"{r[ours] / r['llama.cpp']:.2f}× |")
+    if rss:
+        print()
+        print("| model | weights | tinyloop peak RSS (MiB) | llama.cpp peak RSS (MiB) |")
+        print("|---|---|---|---|")
+        for (model, wt), r in sorted(rss.items()):
+            print(f"| {model} | {wt} | {r.get('tinyloop', float('nan')):.0f} | {r.get('llama.cpp', float('nan')):.0f} |")
     return 0
 
 

@@ -82,7 +82,7 @@ pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
             .enumerate()
             .filter_map(|(i, (g, p))| match p {
                 Plan::Batch(k, _) if *k == key => match std::mem::replace(p, Plan::Solo) {
-                    Plan::Batch(_, work) => Some((i, Member { gen: &mut **g, work })),
+                    Plan::Batch(_, work) => Some((i, Member { gen: g, work })),
                     _ => None,
                 },
                 _ => None,

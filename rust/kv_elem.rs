@@ -13,6 +13,7 @@
 //! Attention never materializes decoded rows: `dot` and `axpy` work on the stored codes.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// Values per stored element (2 for packed int4).
@@ -27,6 +28,23 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     fn axpy(row: &[Self], meta: Self::Meta, w: f32, out: &mut [f32]);
 }
 
+/// Lanes of the dot products below: independent partial sums the compiler keeps in one vector register.
+const LANES: usize = 16;
+
+/// `Σ row_i · q_i` in `LANES` partial sums (summed in order at the end), so it vectorizes.
+#[inline]
+fn dot_lanes<T: Copy + Into<f32>>(row: &[T], q: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (rc, qc) = (row.chunks_exact(LANES), q.chunks_exact(LANES));
+    let tail: f32 = rc.remainder().iter().zip(qc.remainder()).map(|(&a, b)| a.into() * b).sum();
+    for (r, q) in rc.zip(qc) {
+        for l in 0..LANES {
+            acc[l] += r[l].into() * q[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 impl KvElem for f32 {
     type Meta = ();
     fn encode_row(row: &[f32], out: &mut [Self]) {
@@ -34,7 +52,7 @@ impl KvElem for f32 {
     }
     #[inline]
     fn dot(row: &[Self], _: (), q: &[f32], _: f32) -> f32 {
-        row.iter().zip(q).map(|(a, b)| a * b).sum()
+        dot_lanes(row, q)
     }
     #[inline]
     fn axpy(row: &[Self], _: (), w: f32, out: &mut [f32]) {
@@ -49,11 +67,30 @@ impl KvElem for f16 {
     }
     #[inline]
     fn dot(row: &[Self], _: (), q: &[f32], _: f32) -> f32 {
-        row.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
+        let mut wide = [0f32; LANES];
+        let mut acc = [0f32; LANES];
+        let (rc, qc) = (row.chunks_exact(LANES), q.chunks_exact(LANES));
+        let tail: f32 = rc.remainder().iter().zip(qc.remainder()).map(|(a, b)| a.to_f32() * b).sum();
+        for (r, q) in rc.zip(qc) {
+            r.convert_to_f32_slice(&mut wide);
+            for l in 0..LANES {
+                acc[l] += wide[l] * q[l];
+            }
+        }
+        acc.iter().sum::<f32>() + tail
     }
     #[inline]
     fn axpy(row: &[Self], _: (), w: f32, out: &mut [f32]) {
-        out.iter_mut().zip(row).for_each(|(o, x)| *o += w * x.to_f32());
+        let mut wide = [0f32; LANES];
+        let mut oc = out.chunks_exact_mut(LANES);
+        let mut rc = row.chunks_exact(LANES);
+        for (o, r) in oc.by_ref().zip(rc.by_ref()) {
+            r.convert_to_f32_slice(&mut wide);
+            for l in 0..LANES {
+                o[l] += w * wide[l];
+            }
+        }
+        oc.into_remainder().iter_mut().zip(rc.remainder()).for_each(|(o, x)| *o += w * x.to_f32());
     }
 }
 
@@ -70,7 +107,7 @@ impl KvElem for i8 {
     }
     #[inline]
     fn dot(row: &[Self], scale: f32, q: &[f32], _: f32) -> f32 {
-        scale * row.iter().zip(q).map(|(&a, b)| a as f32 * b).sum::<f32>()
+        scale * dot_lanes(row, q)
     }
     #[inline]
     fn axpy(row: &[Self], scale: f32, w: f32, out: &mut [f32]) {

@@ -8,9 +8,12 @@ pub mod batch;
 pub mod error;
 pub mod engine;
 pub mod kv;
+pub mod linear;
 pub mod kv_elem;
 pub mod loader;
 pub mod model;
+#[cfg(vnni)]
+pub mod q4;
 pub mod sampler;
 pub mod spec;
 pub mod tokenizer;

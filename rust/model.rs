@@ -11,29 +11,30 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::linear::Linear;
 use crate::kv::{AttnShape, KvCache, KvKind, RowLayout};
 use crate::loader::{Config, ModelFile, MAX_LOOPS};
 
 struct Layer {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
     ffn_norm: Tensor,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 pub struct Model {
     pub cfg: Config,
-    embd: QMatMul,
-    head: QMatMul,
+    embd: Linear,
+    head: Linear,
     output_norm: Tensor,
     prelude: Vec<Layer>,
     block: Vec<Layer>,
@@ -97,8 +98,8 @@ fn take(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QTensor> {
     tensors.remove(name).ok_or_else(|| Error::Internal(format!("tensor {name} vanished after validation")))
 }
 
-fn matmul(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QMatMul> {
-    Ok(QMatMul::from_qtensor(take(tensors, name)?)?)
+fn matmul(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Linear> {
+    Linear::new(Arc::new(take(tensors, name)?))
 }
 
 fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Tensor> {
@@ -127,8 +128,12 @@ impl Model {
         let all_f32 = tensors.values().all(|t| t.dtype() == candle_core::quantized::GgmlDType::F32);
         let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
         let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
-        let embd = QMatMul::from_arc(embd_t)?;
-        let head = QMatMul::from_arc(pad_rows_for_kernels(head_t)?)?;
+        let tied = Arc::ptr_eq(&embd_t, &head_t);
+        let embd = Linear::new(embd_t)?;
+        let head = match &embd {
+            Linear::F16(_) if tied => embd.clone(), // one f16 copy serves both
+            _ => Linear::new(pad_rows_for_kernels(head_t)?)?,
+        };
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
         let prelude = (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
         let block = (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
@@ -163,8 +168,7 @@ impl Model {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             return Err(Error::InvalidArgument(format!("token id {bad} is outside the {}-token vocabulary", self.cfg.vocab_size)));
         }
-        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
-        Ok(self.embd.embedding(&ids)?.to_dtype(DType::F32)?)
+        self.embd.rows(tokens)
     }
 
     /// Run the prelude (when `with_prelude`) and then block loops `loops` over `x` (rows of all `seqs`, in order).

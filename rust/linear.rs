@@ -1,0 +1,252 @@
+//! Linear layers. Quantized weights go through candle's `QMatMul` (its AVX-512 VNNI kernels where it has them).
+//! F16 weights get a kernel of their own: candle would dequantize them to f32 at load (twice the memory, and twice
+//! the bytes a decode step streams — the 50,257-row head dominates a small model's step) and multiply through a
+//! general f32 GEMM tuned for large shapes. Here the weights stay f16 and every output is one dot product of an f32
+//! input row with an f16 weight row widened to f32 (exact), accumulated in 16 f32 lanes in a fixed order — so an
+//! output never depends on how many rows are multiplied at once (batched == solo, bit for bit), and results equal
+//! the f32 reference up to summation order. Rows of the weight are split across the rayon pool in tiles, each used
+//! for every input row while it is in cache.
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+use crate::error::Result;
+
+/// Weight rows widened together (a tile of `TILE · k` f32 stays in L1/L2 while every input row uses it).
+const TILE: usize = 16;
+/// Below this many multiply-adds a matmul runs on the calling thread (a pool round trip costs more).
+const PARALLEL_MIN: usize = 1 << 18;
+const LANES: usize = 16;
+
+#[derive(Clone)]
+pub enum Linear {
+    Quantized(QMatMul),
+    F16(Arc<F16Matrix>),
+    /// Q4_0 through tinyloop's VNNI kernel (rust/q4.rs), where the CPU has it.
+    #[cfg(vnni)]
+    Q4(Arc<crate::q4::Q4Matrix>),
+}
+
+impl Linear {
+    pub fn new(t: Arc<QTensor>) -> Result<Self> {
+        Ok(match t.dtype() {
+            GgmlDType::F16 => Self::F16(Arc::new(F16Matrix::new(&t)?)),
+            #[cfg(vnni)]
+            GgmlDType::Q4_0 => Self::Q4(Arc::new(crate::q4::Q4Matrix::new(&t)?)),
+            _ => Self::Quantized(QMatMul::from_arc(t)?),
+        })
+    }
+
+    /// `x · Wᵀ`: `(m, k)` to `(m, n)` f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Quantized(q) => Ok(q.forward(x)?),
+            Self::F16(w) => {
+                let (m, k) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; m * w.n];
+                w.matmul(&xs, m, k, &mut out);
+                Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
+            }
+            #[cfg(vnni)]
+            Self::Q4(w) => {
+                let (m, _) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; m * w.rows()];
+                w.matmul(&xs, m, &mut out);
+                Ok(Tensor::from_vec(out, (m, w.rows()), &Device::Cpu)?)
+            }
+        }
+    }
+
+    /// Rows `ids` of the weight as f32, `(ids.len(), k)` (an embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Self::Quantized(q) => {
+                let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
+                Ok(q.embedding(&ids)?.to_dtype(candle_core::DType::F32)?)
+            }
+            Self::F16(w) => {
+                let mut out = vec![0f32; ids.len() * w.k];
+                for (dst, &id) in out.chunks_exact_mut(w.k).zip(ids) {
+                    let id = id as usize;
+                    w.w[id * w.k..(id + 1) * w.k].convert_to_f32_slice(dst);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), w.k), &Device::Cpu)?)
+            }
+            #[cfg(vnni)]
+            Self::Q4(w) => {
+                let k = w.width();
+                let mut out = vec![0f32; ids.len() * k];
+                for (dst, &id) in out.chunks_exact_mut(k).zip(ids) {
+                    w.row(id as usize, dst);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
+            }
+        }
+    }
+}
+
+/// An `(n, k)` f16 weight, row-major.
+pub struct F16Matrix {
+    w: Vec<f16>,
+    n: usize,
+    k: usize,
+}
+
+impl F16Matrix {
+    pub fn new(t: &QTensor) -> Result<Self> {
+        let (n, k) = t.shape().dims2()?;
+        let w = t.dequantize_f16(&Device::Cpu)?.flatten_all()?.to_vec1::<f16>()?;
+        Ok(Self { w, n, k })
+    }
+
+    /// `out (m, n) = x (m, k) · Wᵀ`.
+    pub fn matmul(&self, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
+        assert_eq!(k, self.k, "input width {k} for a weight of width {}", self.k);
+        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
+        let tiles = self.n.div_ceil(TILE);
+        // Each tile of weight rows writes its own columns of every output row: collect per tile, then scatter.
+        let run = |t: usize| -> Vec<f32> {
+            let rows = t * TILE..((t + 1) * TILE).min(self.n);
+            let width = rows.len();
+            let mut part = vec![0f32; m * width];
+            let w = &self.w[rows.start * k..rows.end * k];
+            let mut i = 0;
+            while i < m {
+                let mi = if m - i >= 4 { 4 } else { 1 };
+                let mut j = 0;
+                while j < width {
+                    let nj = if width - j >= 4 { 4 } else { 1 };
+                    let xs = &x[i * k..(i + mi) * k];
+                    let ws = &w[j * k..(j + nj) * k];
+                    let mut acc = [[0f32; 4]; 4];
+                    match (mi, nj) {
+                        (4, 4) => dots::<4, 4>(xs, ws, k, &mut acc),
+                        (4, _) => dots::<4, 1>(xs, ws, k, &mut acc),
+                        (_, 4) => dots::<1, 4>(xs, ws, k, &mut acc),
+                        _ => dots::<1, 1>(xs, ws, k, &mut acc),
+                    }
+                    for (a, row) in acc.iter().take(mi).enumerate() {
+                        part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
+                    }
+                    j += nj;
+                }
+                i += mi;
+            }
+            part
+        };
+        let parts: Vec<Vec<f32>> = if m * self.n * k >= PARALLEL_MIN {
+            (0..tiles).into_par_iter().map(run).collect()
+        } else {
+            (0..tiles).map(run).collect()
+        };
+        for (t, part) in parts.iter().enumerate() {
+            let width = part.len() / m;
+            for (i, src) in part.chunks_exact(width).enumerate() {
+                out[i * self.n + t * TILE..i * self.n + t * TILE + width].copy_from_slice(src);
+            }
+        }
+    }
+}
+
+/// `acc[a][b] = Σ_c x[a][c] · w[b][c]` for an `MI × NJ` block (rows of length `k`), w widened to f32. Every
+/// output is computed the same way whatever the block shape — one 16-lane accumulator walking k in order, its
+/// lanes summed, then the tail — so an output never depends on its neighbours. The block shares loads: each x
+/// chunk feeds NJ products, each widened w chunk MI.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &mut [[f32; 4]; 4]) {
+    use std::arch::x86_64::*;
+    assert!(x.len() >= MI * k && w.len() >= NJ * k && MI <= 4 && NJ <= 4);
+    // SAFETY: avx512f is enabled at compile time (the cfg above); every load reads 16 elements below row end.
+    unsafe {
+        let mut v = [[_mm512_setzero_ps(); NJ]; MI];
+        let mut c = 0;
+        while c + LANES <= k {
+            let mut wv = [_mm512_setzero_ps(); NJ];
+            for (b, wb) in wv.iter_mut().enumerate() {
+                *wb = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(b * k + c) as *const __m256i));
+            }
+            for (a, va) in v.iter_mut().enumerate() {
+                let xa = _mm512_loadu_ps(x.as_ptr().add(a * k + c));
+                for (vab, wb) in va.iter_mut().zip(&wv) {
+                    *vab = _mm512_fmadd_ps(xa, *wb, *vab);
+                }
+            }
+            c += LANES;
+        }
+        for a in 0..MI {
+            for b in 0..NJ {
+                let tail = (c..k).fold(0f32, |s, i| x[a * k + i].mul_add(w[b * k + i].to_f32(), s));
+                acc[a][b] = _mm512_reduce_add_ps(v[a][b]) + tail;
+            }
+        }
+    }
+}
+
+/// Portable version of the above (the compiler vectorizes the lanes).
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &mut [[f32; 4]; 4]) {
+    let mut wide = [0f32; LANES];
+    for a in 0..MI {
+        for b in 0..NJ {
+            let (xr, wr) = (&x[a * k..(a + 1) * k], &w[b * k..(b + 1) * k]);
+            let mut lanes = [0f32; LANES];
+            let (xc, wc) = (xr.chunks_exact(LANES), wr.chunks_exact(LANES));
+            let (xt, wt) = (xc.remainder(), wc.remainder());
+            for (p, q) in xc.zip(wc) {
+                q.convert_to_f32_slice(&mut wide);
+                for l in 0..LANES {
+                    lanes[l] = p[l].mul_add(wide[l], lanes[l]);
+                }
+            }
+            let tail = xt.iter().zip(wt).fold(0f32, |s, (p, q)| p.mul_add(q.to_f32(), s));
+            acc[a][b] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weight(n: usize, k: usize) -> (Vec<f32>, QTensor) {
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+        let w16: Vec<f32> = w.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let t = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap();
+        (w16, QTensor::quantize(&t, GgmlDType::F16).unwrap())
+    }
+
+    #[test]
+    fn f16_matmul_matches_f64_and_is_independent_of_the_row_count() {
+        for &(n, k, m) in &[(33, 40, 3), (50, 256, 5), (1030, 704, 9)] {
+            let (w, q) = weight(n, k);
+            let lin = Linear::new(Arc::new(q)).unwrap();
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
+            let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+            let all = lin.forward(&xt).unwrap().to_vec2::<f32>().unwrap();
+            for i in 0..m {
+                let one = lin.forward(&xt.narrow(0, i, 1).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(one[0], all[i], "row {i} differs when multiplied alone (n {n}, k {k})");
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                    assert!((all[i][j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "({i}, {j}): {} vs {want}", all[i][j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_rows_are_the_widened_weight_rows() {
+        let (w, q) = weight(20, 48);
+        let lin = Linear::new(Arc::new(q)).unwrap();
+        let got = lin.rows(&[3, 0, 19]).unwrap().to_vec2::<f32>().unwrap();
+        for (r, &id) in got.iter().zip(&[3usize, 0, 19]) {
+            assert_eq!(r.as_slice(), &w[id * 48..(id + 1) * 48]);
+        }
+    }
+}

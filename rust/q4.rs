@@ -1,0 +1,253 @@
+//! Q4_0 weights × Q8_0-quantized inputs with AVX-512 VNNI, for any number of input rows (decode, verification,
+//! batched decode, prefill). candle runs Q4_0 through a generic per-block dot product; llama.cpp repacks it and
+//! runs tiled kernels, several times faster at prefill. This is tinyloop's own:
+//!
+//! - inputs are quantized per 32-value block exactly as ggml does (`d = amax / 127` stored as f16, `round(x / d)`),
+//!   so the arithmetic is the one llama.cpp runs on the same weights;
+//! - weights are repacked at load into nibble rows (16 bytes per block) and f32 block scales, two blocks per step;
+//! - one `vpdpbusd` multiplies 64 unsigned nibbles by 64 signed input bytes; the −8 offset of Q4_0 is folded into
+//!   the accumulator's start (−8 · Σx per lane group, precomputed per input row), so the lanes hold exact integer
+//!   sums; each output then keeps one 16-lane f32 accumulator that walks the blocks in order, and is reduced at the
+//!   end. An output never depends on how many rows are multiplied together, or which: batched == solo, bit for bit.
+//! - a 4 × 4 block of (input row, weight row) outputs shares every load; weight rows are split across the rayon
+//!   pool in tiles of 16.
+
+use std::arch::x86_64::*;
+
+use candle_core::quantized::QTensor;
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+const QK: usize = 32;
+const TILE: usize = 16;
+/// Below this many multiply-adds a matmul runs on the calling thread.
+const PARALLEL_MIN: usize = 1 << 18;
+
+/// An `(n, k)` Q4_0 weight, repacked: for row r and block b, `qs[(r·nb + b)·16..]` holds the 16 nibble bytes
+/// (value j in the low nibble of byte j, value j + 16 in its high nibble) and `d[r·nb + b]` the scale. `nb` is
+/// rounded up to even; a padding block has scale 0.
+pub struct Q4Matrix {
+    qs: Vec<u8>,
+    d: Vec<f32>,
+    n: usize,
+    k: usize,
+    nb: usize,
+}
+
+/// Input rows quantized to Q8_0 and laid out to match: for each pair of blocks (b, b + 1), 64 bytes
+/// `x_b[0..16], x_{b+1}[0..16], x_b[16..32], x_{b+1}[16..32]`; its 16-lane scale vector (d_b in lanes 0–3 and 8–11,
+/// d_{b+1} in 4–7 and 12–15); and the lanes' starting value −8 · Σ of the 4 bytes each lane multiplies.
+struct Q8Rows {
+    qs: Vec<i8>,
+    scale: Vec<f32>,
+    start: Vec<i32>,
+    pairs: usize,
+}
+
+impl Q4Matrix {
+    pub fn new(t: &QTensor) -> Result<Self> {
+        let (n, k) = t.shape().dims2()?;
+        if k % QK != 0 {
+            return Err(Error::Internal(format!("Q4_0 weight width {k} is not a multiple of {QK}")));
+        }
+        let raw = t.data()?;
+        let blocks = k / QK;
+        if raw.len() != n * blocks * 18 {
+            return Err(Error::Internal(format!("Q4_0 weight of {} bytes for shape ({n}, {k})", raw.len())));
+        }
+        let nb = blocks.div_ceil(2) * 2;
+        let mut qs = vec![0u8; n * nb * 16];
+        let mut d = vec![0f32; n * nb];
+        for r in 0..n {
+            for b in 0..blocks {
+                let src = &raw[(r * blocks + b) * 18..(r * blocks + b + 1) * 18];
+                d[r * nb + b] = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                qs[(r * nb + b) * 16..(r * nb + b + 1) * 16].copy_from_slice(&src[2..18]);
+            }
+        }
+        Ok(Self { qs, d, n, k, nb })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    pub fn width(&self) -> usize {
+        self.k
+    }
+
+    /// Weight row `r` dequantized (an embedding lookup).
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
+            let (q, d) = (&self.qs[(r * self.nb + b) * 16..][..16], self.d[r * self.nb + b]);
+            for j in 0..16 {
+                chunk[j] = ((q[j] & 0x0F) as i32 - 8) as f32 * d;
+                chunk[j + 16] = ((q[j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+    }
+
+    /// `out (m, n) = x (m, k) · Wᵀ`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let k = self.k;
+        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
+        let xq = Q8Rows::quantize(x, m, k, self.nb);
+        let tiles = self.n.div_ceil(TILE);
+        let run = |t: usize| -> Vec<f32> {
+            let rows = t * TILE..((t + 1) * TILE).min(self.n);
+            let width = rows.len();
+            let mut part = vec![0f32; m * width];
+            let mut i = 0;
+            while i < m {
+                let mi = if m - i >= 4 { 4 } else { 1 };
+                let mut j = 0;
+                while j < width {
+                    let nj = if width - j >= 4 { 4 } else { 1 };
+                    let mut acc = [[0f32; 4]; 4];
+                    let w0 = rows.start + j;
+                    // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; indices are within the rows.
+                    unsafe {
+                        match (mi, nj) {
+                            (4, 4) => self.dots::<4, 4>(&xq, i, w0, &mut acc),
+                            (4, _) => self.dots::<4, 1>(&xq, i, w0, &mut acc),
+                            (_, 4) => self.dots::<1, 4>(&xq, i, w0, &mut acc),
+                            _ => self.dots::<1, 1>(&xq, i, w0, &mut acc),
+                        }
+                    }
+                    for (a, row) in acc.iter().take(mi).enumerate() {
+                        part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
+                    }
+                    j += nj;
+                }
+                i += mi;
+            }
+            part
+        };
+        let parts: Vec<Vec<f32>> = if m * self.n * k >= PARALLEL_MIN {
+            (0..tiles).into_par_iter().map(run).collect()
+        } else {
+            (0..tiles).map(run).collect()
+        };
+        for (t, part) in parts.iter().enumerate() {
+            let width = part.len() / m;
+            for (i, src) in part.chunks_exact(width).enumerate() {
+                out[i * self.n + t * TILE..i * self.n + t * TILE + width].copy_from_slice(src);
+            }
+        }
+    }
+
+    /// Outputs (x rows `i0..i0+MI`) × (weight rows `w0..w0+NJ`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn dots<const MI: usize, const NJ: usize>(&self, xq: &Q8Rows, i0: usize, w0: usize, acc: &mut [[f32; 4]; 4]) {
+        let nb = self.nb;
+        let low = _mm256_set1_epi8(0x0F);
+        // Lane l takes block (l / 4) % 2 of the pair: index 0 for lanes 0–3 and 8–11, 1 for 4–7 and 12–15.
+        let pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+        let mut v = [[_mm512_setzero_ps(); NJ]; MI];
+        for p in 0..nb / 2 {
+            let mut wq = [_mm512_setzero_si512(); NJ];
+            let mut wd = [_mm512_setzero_ps(); NJ];
+            for b in 0..NJ {
+                let r = w0 + b;
+                let raw = _mm256_loadu_si256(self.qs.as_ptr().add((r * nb + 2 * p) * 16) as *const __m256i);
+                let lo = _mm256_and_si256(raw, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                wq[b] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let two = _mm_castpd_ps(_mm_load_sd(self.d.as_ptr().add(r * nb + 2 * p) as *const f64));
+                wd[b] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
+            }
+            for (a, va) in v.iter_mut().enumerate() {
+                let row = (i0 + a) * xq.pairs + p;
+                let xv = _mm512_loadu_si512(xq.qs.as_ptr().add(row * 64) as *const __m512i);
+                let xs = _mm512_loadu_ps(xq.scale.as_ptr().add(row * 16));
+                let start = _mm512_loadu_si512(xq.start.as_ptr().add(row * 16) as *const __m512i);
+                for (vab, (q, d)) in va.iter_mut().zip(wq.iter().zip(&wd)) {
+                    let dot = _mm512_dpbusd_epi32(start, *q, xv);
+                    *vab = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(*d, xs), *vab);
+                }
+            }
+        }
+        for a in 0..MI {
+            for b in 0..NJ {
+                acc[a][b] = _mm512_reduce_add_ps(v[a][b]);
+            }
+        }
+    }
+}
+
+impl Q8Rows {
+    fn quantize(x: &[f32], m: usize, k: usize, nb: usize) -> Self {
+        let pairs = nb / 2;
+        let mut qs = vec![0i8; m * pairs * 64];
+        let mut scale = vec![0f32; m * pairs * 16];
+        let mut start = vec![0i32; m * pairs * 16];
+        let mut q = [0i8; QK];
+        for i in 0..m {
+            for b in 0..k / QK {
+                let xb = &x[i * k + b * QK..i * k + (b + 1) * QK];
+                let amax = xb.iter().fold(0f32, |s, v| s.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                for (o, &v) in q.iter_mut().zip(xb) {
+                    *o = (v * id).round() as i8;
+                }
+                let (row, half) = (i * pairs + b / 2, b % 2);
+                // Halves of block b go to bytes 16·half..+16 (values 0..16) and 32 + 16·half..+16 (16..32).
+                qs[row * 64 + 16 * half..][..16].copy_from_slice(&q[..16]);
+                qs[row * 64 + 32 + 16 * half..][..16].copy_from_slice(&q[16..]);
+                let dq = f16::from_f32(d).to_f32();
+                for lane in [0, 1, 2, 3, 8, 9, 10, 11].map(|l| l + 4 * half) {
+                    scale[row * 16 + lane] = dq;
+                    let bytes = &qs[row * 64 + 4 * lane..][..4];
+                    start[row * 16 + lane] = -8 * bytes.iter().map(|&v| v as i32).sum::<i32>();
+                }
+            }
+        }
+        Self { qs, scale, start, pairs }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn q4_0_matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
+        for &(n, k, m) in &[(20, 64, 1), (33, 96, 6), (70, 704, 9)] {
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+            let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q4_0).unwrap();
+            let mat = Q4Matrix::new(&q).unwrap();
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
+            let mut all = vec![0f32; m * n];
+            mat.matmul(&x, m, &mut all);
+            // Reference: ggml's Q8_0 input quantization and per-block integer dot products, in f64.
+            let deq = q.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+            for i in 0..m {
+                let mut one = vec![0f32; n];
+                mat.matmul(&x[i * k..(i + 1) * k], 1, &mut one);
+                assert_eq!(one, all[i * n..(i + 1) * n], "row {i} differs when multiplied alone ({n}, {k})");
+                for j in 0..n {
+                    let mut want = 0f64;
+                    for b in 0..k / QK {
+                        let xb = &x[i * k + b * QK..i * k + (b + 1) * QK];
+                        let d = xb.iter().fold(0f32, |s, v| s.max(v.abs())) / 127.0;
+                        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                        let dq = f16::from_f32(d).to_f32() as f64;
+                        for (c, &v) in xb.iter().enumerate() {
+                            want += deq[j][b * QK + c] as f64 * (v * id).round() as f64 * dq;
+                        }
+                    }
+                    let got = all[i * n + j] as f64;
+                    assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "({i}, {j}) of ({n}, {k}): {got} vs {want}");
+                }
+            }
+            let mut r = vec![0f32; k];
+            mat.row(n - 1, &mut r);
+            assert_eq!(r, deq[n - 1]);
+        }
+    }
+}
