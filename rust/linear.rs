@@ -26,9 +26,9 @@ const LANES: usize = 16;
 pub enum Linear {
     Quantized(QMatMul),
     F16(Arc<F16Matrix>),
-    /// Q4_0 through tinyloop's VNNI kernel (rust/q4.rs), where the CPU has it.
+    /// Q4_0 and Q8_0 through tinyloop's VNNI kernel (rust/vnni.rs), where the CPU has it.
     #[cfg(vnni)]
-    Q4(Arc<crate::q4::Q4Matrix>),
+    Int(Arc<crate::vnni::QMatrix>),
 }
 
 impl Linear {
@@ -36,7 +36,13 @@ impl Linear {
         Ok(match t.dtype() {
             GgmlDType::F16 => Self::F16(Arc::new(F16Matrix::new(&t)?)),
             #[cfg(vnni)]
-            GgmlDType::Q4_0 => Self::Q4(Arc::new(crate::q4::Q4Matrix::new(&t)?)),
+            GgmlDType::Q4_0 => Self::Int(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Nibbles)?)),
+            // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
+            // the shapes it does not (the default model's 704-wide ffn_down).
+            #[cfg(vnni)]
+            GgmlDType::Q8_0 if !candle_repacks_q8_0(&t)? => {
+                Self::Int(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Bytes)?))
+            }
             _ => Self::Quantized(QMatMul::from_arc(t)?),
         })
     }
@@ -53,7 +59,7 @@ impl Linear {
                 Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
             }
             #[cfg(vnni)]
-            Self::Q4(w) => {
+            Self::Int(w) => {
                 let (m, _) = x.dims2()?;
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; m * w.rows()];
@@ -79,7 +85,7 @@ impl Linear {
                 Ok(Tensor::from_vec(out, (ids.len(), w.k), &Device::Cpu)?)
             }
             #[cfg(vnni)]
-            Self::Q4(w) => {
+            Self::Int(w) => {
                 let k = w.width();
                 let mut out = vec![0f32; ids.len() * k];
                 for (dst, &id) in out.chunks_exact_mut(k).zip(ids) {
@@ -89,6 +95,14 @@ impl Linear {
             }
         }
     }
+}
+
+/// Whether candle 0.11 runs this Q8_0 matrix through its repacked AVX-512 VNNI tiles: output count a multiple of 16
+/// and input width a multiple of 256 (its `repack_x86::select`).
+#[cfg(vnni)]
+fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
+    let (n, k) = t.shape().dims2()?;
+    Ok(n % 16 == 0 && k % 256 == 0)
 }
 
 /// An `(n, k)` f16 weight, row-major.
