@@ -13,7 +13,7 @@ pub mod kv_elem;
 pub mod loader;
 pub mod model;
 #[cfg(vnni)]
-pub mod q4;
+pub mod vnni;
 pub mod sampler;
 pub mod spec;
 pub mod tokenizer;

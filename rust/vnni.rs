@@ -1,12 +1,14 @@
-//! Q4_0 weights × Q8_0-quantized inputs with AVX-512 VNNI, for any number of input rows (decode, verification,
-//! batched decode, prefill). candle runs Q4_0 through a generic per-block dot product; llama.cpp repacks it and
-//! runs tiled kernels, several times faster at prefill. This is tinyloop's own:
+//! Q4_0 and Q8_0 weights × Q8_0-quantized inputs with AVX-512 VNNI, for any number of input rows (decode,
+//! verification, batched decode, prefill). candle runs Q4_0 (and Q8_0 rows whose width is not a multiple of 256)
+//! through a generic per-block dot product; llama.cpp repacks and runs tiled kernels, several times faster at
+//! prefill. This is tinyloop's own:
 //!
 //! - inputs are quantized per 32-value block exactly as ggml does (`d = amax / 127` stored as f16, `round(x / d)`),
 //!   so the arithmetic is the one llama.cpp runs on the same weights;
-//! - weights are repacked at load into nibble rows (16 bytes per block) and f32 block scales, two blocks per step;
-//! - one `vpdpbusd` multiplies 64 unsigned nibbles by 64 signed input bytes; the −8 offset of Q4_0 is folded into
-//!   the accumulator's start (−8 · Σx per lane group, precomputed per input row), so the lanes hold exact integer
+//! - weights are repacked at load into unsigned codes (Q4_0: nibbles, 16 bytes per block; Q8_0: the byte + 128,
+//!   interleaved like the expanded nibbles) and f32 block scales, two blocks per step;
+//! - one `vpdpbusd` multiplies 64 unsigned codes by 64 signed input bytes; the code offset (8 or 128) is folded into
+//!   the accumulator's start (−offset · Σx per lane group, precomputed per input row), so the lanes hold exact integer
 //!   sums; each output then keeps one 16-lane f32 accumulator that walks the blocks in order, and is reduced at the
 //!   end. An output never depends on how many rows are multiplied together, or which: batched == solo, bit for bit.
 //! - a 4 × 4 block of (input row, weight row) outputs shares every load; weight rows are split across the rayon
@@ -25,10 +27,36 @@ const TILE: usize = 16;
 /// Below this many multiply-adds a matmul runs on the calling thread.
 const PARALLEL_MIN: usize = 1 << 18;
 
-/// An `(n, k)` Q4_0 weight, repacked: for row r and block b, `qs[(r·nb + b)·16..]` holds the 16 nibble bytes
-/// (value j in the low nibble of byte j, value j + 16 in its high nibble) and `d[r·nb + b]` the scale. `nb` is
-/// rounded up to even; a padding block has scale 0.
-pub struct Q4Matrix {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codes {
+    /// Q4_0: value j of a block in the low nibble of byte j, value j + 16 in its high nibble; offset 8.
+    Nibbles,
+    /// Q8_0: one byte per value, + 128; a pair of blocks stored as `w_b[0..16], w_b+1[0..16], w_b[16..32],
+    /// w_b+1[16..32]`, the order the nibbles expand to.
+    Bytes,
+}
+
+impl Codes {
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Nibbles => 16,
+            Self::Bytes => 32,
+        }
+    }
+
+    fn offset(self) -> i32 {
+        match self {
+            Self::Nibbles => 8,
+            Self::Bytes => 128,
+        }
+    }
+}
+
+/// An `(n, k)` Q4_0 or Q8_0 weight, repacked: row r's block b has its codes at
+/// `qs[(r·nb + b)·block_bytes..]` and its scale at `d[r·nb + b]`. `nb` is rounded up to even; a padding block has
+/// scale 0.
+pub struct QMatrix {
+    codes: Codes,
     qs: Vec<u8>,
     d: Vec<f32>,
     n: usize,
@@ -38,7 +66,7 @@ pub struct Q4Matrix {
 
 /// Input rows quantized to Q8_0 and laid out to match: for each pair of blocks (b, b + 1), 64 bytes
 /// `x_b[0..16], x_{b+1}[0..16], x_b[16..32], x_{b+1}[16..32]`; its 16-lane scale vector (d_b in lanes 0–3 and 8–11,
-/// d_{b+1} in 4–7 and 12–15); and the lanes' starting value −8 · Σ of the 4 bytes each lane multiplies.
+/// d_{b+1} in 4–7 and 12–15); and the lanes' starting value −offset · Σ of the 4 bytes each lane multiplies.
 struct Q8Rows {
     qs: Vec<i8>,
     scale: Vec<f32>,
@@ -46,28 +74,43 @@ struct Q8Rows {
     pairs: usize,
 }
 
-impl Q4Matrix {
-    pub fn new(t: &QTensor) -> Result<Self> {
+impl QMatrix {
+    pub fn new(t: &QTensor, codes: Codes) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
         if k % QK != 0 {
-            return Err(Error::Internal(format!("Q4_0 weight width {k} is not a multiple of {QK}")));
+            return Err(Error::Internal(format!("block-quantized weight width {k} is not a multiple of {QK}")));
         }
         let raw = t.data()?;
-        let blocks = k / QK;
-        if raw.len() != n * blocks * 18 {
-            return Err(Error::Internal(format!("Q4_0 weight of {} bytes for shape ({n}, {k})", raw.len())));
+        let (blocks, bb) = (k / QK, codes.block_bytes());
+        let stride = 2 + bb; // ggml block: f16 scale, then the codes
+        if raw.len() != n * blocks * stride {
+            return Err(Error::Internal(format!("quantized weight of {} bytes for shape ({n}, {k})", raw.len())));
         }
         let nb = blocks.div_ceil(2) * 2;
-        let mut qs = vec![0u8; n * nb * 16];
+        let mut qs = vec![0u8; n * nb * bb];
+        if codes == Codes::Bytes {
+            qs.fill(128); // padding blocks: code 128 is value 0
+        }
         let mut d = vec![0f32; n * nb];
         for r in 0..n {
             for b in 0..blocks {
-                let src = &raw[(r * blocks + b) * 18..(r * blocks + b + 1) * 18];
+                let src = &raw[(r * blocks + b) * stride..(r * blocks + b + 1) * stride];
                 d[r * nb + b] = f16::from_le_bytes([src[0], src[1]]).to_f32();
-                qs[(r * nb + b) * 16..(r * nb + b + 1) * 16].copy_from_slice(&src[2..18]);
+                match codes {
+                    Codes::Nibbles => qs[(r * nb + b) * bb..(r * nb + b + 1) * bb].copy_from_slice(&src[2..]),
+                    Codes::Bytes => {
+                        // Within the pair (b & !1, b | 1): this block's halves go to 16·(b % 2) and 32 + 16·(b % 2).
+                        let pair = &mut qs[(r * nb + (b & !1)) * bb..(r * nb + (b & !1) + 2) * bb];
+                        let h = 16 * (b % 2);
+                        for j in 0..16 {
+                            pair[h + j] = (src[2 + j] as i8 as i32 + 128) as u8;
+                            pair[32 + h + j] = (src[2 + 16 + j] as i8 as i32 + 128) as u8;
+                        }
+                    }
+                }
             }
         }
-        Ok(Self { qs, d, n, k, nb })
+        Ok(Self { codes, qs, d, n, k, nb })
     }
 
     pub fn rows(&self) -> usize {
@@ -80,11 +123,23 @@ impl Q4Matrix {
 
     /// Weight row `r` dequantized (an embedding lookup).
     pub fn row(&self, r: usize, out: &mut [f32]) {
+        let bb = self.codes.block_bytes();
         for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            let (q, d) = (&self.qs[(r * self.nb + b) * 16..][..16], self.d[r * self.nb + b]);
+            let d = self.d[r * self.nb + b];
+            let (lo, hi): ([i32; 16], [i32; 16]) = match self.codes {
+                Codes::Nibbles => {
+                    let q = &self.qs[(r * self.nb + b) * bb..][..16];
+                    (std::array::from_fn(|j| (q[j] & 0x0F) as i32 - 8), std::array::from_fn(|j| (q[j] >> 4) as i32 - 8))
+                }
+                Codes::Bytes => {
+                    let pair = &self.qs[(r * self.nb + (b & !1)) * bb..][..2 * bb];
+                    let h = 16 * (b % 2);
+                    (std::array::from_fn(|j| pair[h + j] as i32 - 128), std::array::from_fn(|j| pair[32 + h + j] as i32 - 128))
+                }
+            };
             for j in 0..16 {
-                chunk[j] = ((q[j] & 0x0F) as i32 - 8) as f32 * d;
-                chunk[j + 16] = ((q[j] >> 4) as i32 - 8) as f32 * d;
+                chunk[j] = lo[j] as f32 * d;
+                chunk[j + 16] = hi[j] as f32 * d;
             }
         }
     }
@@ -93,7 +148,7 @@ impl Q4Matrix {
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        let xq = Q8Rows::quantize(x, m, k, self.nb);
+        let xq = Q8Rows::quantize(x, m, k, self.nb, self.codes.offset());
         let tiles = self.n.div_ceil(TILE);
         let run = |t: usize| -> Vec<f32> {
             let rows = t * TILE..((t + 1) * TILE).min(self.n);
@@ -151,10 +206,15 @@ impl Q4Matrix {
             let mut wd = [_mm512_setzero_ps(); NJ];
             for b in 0..NJ {
                 let r = w0 + b;
-                let raw = _mm256_loadu_si256(self.qs.as_ptr().add((r * nb + 2 * p) * 16) as *const __m256i);
-                let lo = _mm256_and_si256(raw, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
-                wq[b] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                wq[b] = match self.codes {
+                    Codes::Nibbles => {
+                        let raw = _mm256_loadu_si256(self.qs.as_ptr().add((r * nb + 2 * p) * 16) as *const __m256i);
+                        let lo = _mm256_and_si256(raw, low);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    }
+                    Codes::Bytes => _mm512_loadu_si512(self.qs.as_ptr().add((r * nb + 2 * p) * 32) as *const __m512i),
+                };
                 let two = _mm_castpd_ps(_mm_load_sd(self.d.as_ptr().add(r * nb + 2 * p) as *const f64));
                 wd[b] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
             }
@@ -178,7 +238,7 @@ impl Q4Matrix {
 }
 
 impl Q8Rows {
-    fn quantize(x: &[f32], m: usize, k: usize, nb: usize) -> Self {
+    fn quantize(x: &[f32], m: usize, k: usize, nb: usize, offset: i32) -> Self {
         let pairs = nb / 2;
         let mut qs = vec![0i8; m * pairs * 64];
         let mut scale = vec![0f32; m * pairs * 16];
@@ -201,7 +261,7 @@ impl Q8Rows {
                 for lane in [0, 1, 2, 3, 8, 9, 10, 11].map(|l| l + 4 * half) {
                     scale[row * 16 + lane] = dq;
                     let bytes = &qs[row * 64 + 4 * lane..][..4];
-                    start[row * 16 + lane] = -8 * bytes.iter().map(|&v| v as i32).sum::<i32>();
+                    start[row * 16 + lane] = -offset * bytes.iter().map(|&v| v as i32).sum::<i32>();
                 }
             }
         }
@@ -216,11 +276,12 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     #[test]
-    fn q4_0_matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
-        for &(n, k, m) in &[(20, 64, 1), (33, 96, 6), (70, 704, 9)] {
+    fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
+        let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9)];
+        for (&(n, k, m), (dtype, codes)) in shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))]) {
             let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
-            let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q4_0).unwrap();
-            let mat = Q4Matrix::new(&q).unwrap();
+            let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
+            let mat = QMatrix::new(&q, codes).unwrap();
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
             let mut all = vec![0f32; m * n];
             mat.matmul(&x, m, &mut all);
@@ -245,9 +306,11 @@ mod tests {
                     assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "({i}, {j}) of ({n}, {k}): {got} vs {want}");
                 }
             }
-            let mut r = vec![0f32; k];
-            mat.row(n - 1, &mut r);
-            assert_eq!(r, deq[n - 1]);
+            for row in [0, n - 1] {
+                let mut r = vec![0f32; k];
+                mat.row(row, &mut r);
+                assert_eq!(r, deq[row], "{dtype:?} row {row}");
+            }
         }
     }
 }
