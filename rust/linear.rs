@@ -123,47 +123,55 @@ impl F16Matrix {
     pub fn matmul(&self, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
         assert_eq!(k, self.k, "input width {k} for a weight of width {}", self.k);
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        let tiles = self.n.div_ceil(TILE);
-        // Each tile of weight rows writes its own columns of every output row: collect per tile, then scatter.
-        let run = |t: usize| -> Vec<f32> {
-            let rows = t * TILE..((t + 1) * TILE).min(self.n);
-            let width = rows.len();
-            let mut part = vec![0f32; m * width];
-            let w = &self.w[rows.start * k..rows.end * k];
-            let mut i = 0;
-            while i < m {
-                let mi = if m - i >= 4 { 4 } else { 1 };
-                let mut j = 0;
-                while j < width {
-                    let nj = if width - j >= 4 { 4 } else { 1 };
-                    let xs = &x[i * k..(i + mi) * k];
-                    let ws = &w[j * k..(j + nj) * k];
-                    let mut acc = [[0f32; 4]; 4];
-                    match (mi, nj) {
-                        (4, 4) => dots::<4, 4>(xs, ws, k, &mut acc),
-                        (4, _) => dots::<4, 1>(xs, ws, k, &mut acc),
-                        (_, 4) => dots::<1, 4>(xs, ws, k, &mut acc),
-                        _ => dots::<1, 1>(xs, ws, k, &mut acc),
-                    }
-                    for (a, row) in acc.iter().take(mi).enumerate() {
-                        part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
-                    }
-                    j += nj;
+        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| {
+            let (xs, ws) = (&x[i * k..(i + mi) * k], &self.w[j * k..(j + nj) * k]);
+            match (mi, nj) {
+                (4, 4) => dots::<4, 4>(xs, ws, k, acc),
+                (4, _) => dots::<4, 1>(xs, ws, k, acc),
+                (_, 4) => dots::<1, 4>(xs, ws, k, acc),
+                _ => dots::<1, 1>(xs, ws, k, acc),
+            }
+        });
+    }
+}
+
+/// A block of outputs: `acc[a][b]` = input row `i + a` · weight row `j + b`, for `a < mi`, `b < nj` (each 4 or 1).
+pub(crate) type Block<'a> = dyn Fn(usize, usize, usize, usize, &mut [[f32; 4]; 4]) + Sync + 'a;
+
+/// `out (m, n)`: weight rows in tiles of `TILE` (spread over the rayon pool when the product has at least
+/// `PARALLEL_MIN` multiply-adds), each tile in blocks of 4 × 4 outputs (1-wide at the edges) computed by `block`.
+pub(crate) fn tiled(m: usize, n: usize, macs: usize, out: &mut [f32], block: &Block) {
+    let run = |t: usize| -> Vec<f32> {
+        let rows = t * TILE..((t + 1) * TILE).min(n);
+        let width = rows.len();
+        let mut part = vec![0f32; m * width];
+        let mut i = 0;
+        while i < m {
+            let mi = if m - i >= 4 { 4 } else { 1 };
+            let mut j = 0;
+            while j < width {
+                let nj = if width - j >= 4 { 4 } else { 1 };
+                let mut acc = [[0f32; 4]; 4];
+                block(i, mi, rows.start + j, nj, &mut acc);
+                for (a, row) in acc.iter().take(mi).enumerate() {
+                    part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
                 }
-                i += mi;
+                j += nj;
             }
-            part
-        };
-        let parts: Vec<Vec<f32>> = if m * self.n * k >= PARALLEL_MIN {
-            (0..tiles).into_par_iter().map(run).collect()
-        } else {
-            (0..tiles).map(run).collect()
-        };
-        for (t, part) in parts.iter().enumerate() {
-            let width = part.len() / m;
-            for (i, src) in part.chunks_exact(width).enumerate() {
-                out[i * self.n + t * TILE..i * self.n + t * TILE + width].copy_from_slice(src);
-            }
+            i += mi;
+        }
+        part
+    };
+    let tiles = n.div_ceil(TILE);
+    let parts: Vec<Vec<f32>> = if macs >= PARALLEL_MIN {
+        (0..tiles).into_par_iter().map(run).collect()
+    } else {
+        (0..tiles).map(run).collect()
+    };
+    for (t, part) in parts.iter().enumerate() {
+        let width = part.len() / m;
+        for (i, src) in part.chunks_exact(width).enumerate() {
+            out[i * n + t * TILE..i * n + t * TILE + width].copy_from_slice(src);
         }
     }
 }

@@ -11,21 +11,18 @@
 //!   the accumulator's start (−offset · Σx per lane group, precomputed per input row), so the lanes hold exact integer
 //!   sums; each output then keeps one 16-lane f32 accumulator that walks the blocks in order, and is reduced at the
 //!   end. An output never depends on how many rows are multiplied together, or which: batched == solo, bit for bit.
-//! - a 4 × 4 block of (input row, weight row) outputs shares every load; weight rows are split across the rayon
-//!   pool in tiles of 16.
+//! - a 4 × 4 block of (input row, weight row) outputs shares every load; `linear::tiled` spreads tiles of 16
+//!   weight rows over the rayon pool.
 
 use std::arch::x86_64::*;
 
 use candle_core::quantized::QTensor;
 use half::f16;
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::linear::tiled;
 
 const QK: usize = 32;
-const TILE: usize = 16;
-/// Below this many multiply-adds a matmul runs on the calling thread.
-const PARALLEL_MIN: usize = 1 << 18;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codes {
@@ -149,48 +146,15 @@ impl QMatrix {
         let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
         let xq = Q8Rows::quantize(x, m, k, self.nb, self.codes.offset());
-        let tiles = self.n.div_ceil(TILE);
-        let run = |t: usize| -> Vec<f32> {
-            let rows = t * TILE..((t + 1) * TILE).min(self.n);
-            let width = rows.len();
-            let mut part = vec![0f32; m * width];
-            let mut i = 0;
-            while i < m {
-                let mi = if m - i >= 4 { 4 } else { 1 };
-                let mut j = 0;
-                while j < width {
-                    let nj = if width - j >= 4 { 4 } else { 1 };
-                    let mut acc = [[0f32; 4]; 4];
-                    let w0 = rows.start + j;
-                    // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; indices are within the rows.
-                    unsafe {
-                        match (mi, nj) {
-                            (4, 4) => self.dots::<4, 4>(&xq, i, w0, &mut acc),
-                            (4, _) => self.dots::<4, 1>(&xq, i, w0, &mut acc),
-                            (_, 4) => self.dots::<1, 4>(&xq, i, w0, &mut acc),
-                            _ => self.dots::<1, 1>(&xq, i, w0, &mut acc),
-                        }
-                    }
-                    for (a, row) in acc.iter().take(mi).enumerate() {
-                        part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
-                    }
-                    j += nj;
-                }
-                i += mi;
+        // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `tiled` keeps blocks within the rows.
+        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| unsafe {
+            match (mi, nj) {
+                (4, 4) => self.dots::<4, 4>(&xq, i, j, acc),
+                (4, _) => self.dots::<4, 1>(&xq, i, j, acc),
+                (_, 4) => self.dots::<1, 4>(&xq, i, j, acc),
+                _ => self.dots::<1, 1>(&xq, i, j, acc),
             }
-            part
-        };
-        let parts: Vec<Vec<f32>> = if m * self.n * k >= PARALLEL_MIN {
-            (0..tiles).into_par_iter().map(run).collect()
-        } else {
-            (0..tiles).map(run).collect()
-        };
-        for (t, part) in parts.iter().enumerate() {
-            let width = part.len() / m;
-            for (i, src) in part.chunks_exact(width).enumerate() {
-                out[i * self.n + t * TILE..i * self.n + t * TILE + width].copy_from_slice(src);
-            }
-        }
+        });
     }
 
     /// Outputs (x rows `i0..i0+MI`) × (weight rows `w0..w0+NJ`).
