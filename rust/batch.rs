@@ -167,7 +167,6 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
     // whose logits are wanted (each plain sequence's last, every verification row).
     let finals: Vec<Tensor> = {
         let mut blocks = Vec::new();
-        let mut owners = Vec::new();
         let hidden: Vec<Option<Tensor>> = rounds.iter().map(|r| r.as_ref().map(|r| Tensor::cat(&r.hidden, 0)).transpose()).collect::<candle_core::Result<_>>()?;
         for (i, ((m, round), h)) in members.iter_mut().zip(&rounds).zip(hidden).enumerate() {
             let g = &mut *m.gen;
@@ -178,7 +177,6 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
             };
             let x = x.ok_or_else(|| Error::Internal("a batched row lost its hidden state".into()))?;
             blocks.push(RowBlock { seq: SeqChunk { cache: &mut g.cache, pos: g.pos, tokens, tree: None }, x, loops: depth..loops });
-            owners.push(i);
         }
         model.run_blocks(&mut blocks)?;
         blocks
