@@ -25,23 +25,31 @@ const LANES: usize = 16;
 #[derive(Clone)]
 pub enum Linear {
     Quantized(QMatMul),
-    F16(Arc<F16Matrix>),
-    /// Q4_0 and Q8_0 through tinyloop's VNNI kernel (rust/vnni.rs), where the CPU has it.
-    #[cfg(vnni)]
-    Int(Arc<crate::vnni::QMatrix>),
+    /// F16 here; Q4_0 and Q8_0 through the VNNI kernel (rust/vnni.rs), where the CPU has it.
+    Own(Arc<dyn Kernel>),
+}
+
+/// A weight held by one of tinyloop's own kernels: `(rows, width)`.
+pub trait Kernel: Send + Sync {
+    fn rows(&self) -> usize;
+    fn width(&self) -> usize;
+    /// `out (m, rows) = x (m, width) · Wᵀ`.
+    fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]);
+    /// Weight row `r` as f32 (an embedding lookup).
+    fn row(&self, r: usize, out: &mut [f32]);
 }
 
 impl Linear {
     pub fn new(t: Arc<QTensor>) -> Result<Self> {
         Ok(match t.dtype() {
-            GgmlDType::F16 => Self::F16(Arc::new(F16Matrix::new(&t)?)),
+            GgmlDType::F16 => Self::Own(Arc::new(F16Matrix::new(&t)?)),
             #[cfg(vnni)]
-            GgmlDType::Q4_0 => Self::Int(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Nibbles)?)),
+            GgmlDType::Q4_0 => Self::Own(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Nibbles)?)),
             // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
             // the shapes it does not (the default model's 704-wide ffn_down).
             #[cfg(vnni)]
             GgmlDType::Q8_0 if !candle_repacks_q8_0(&t)? => {
-                Self::Int(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Bytes)?))
+                Self::Own(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Bytes)?))
             }
             _ => Self::Quantized(QMatMul::from_arc(t)?),
         })
@@ -51,15 +59,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Quantized(q) => Ok(q.forward(x)?),
-            Self::F16(w) => {
-                let (m, k) = x.dims2()?;
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; m * w.n];
-                w.matmul(&xs, m, k, &mut out);
-                Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
-            }
-            #[cfg(vnni)]
-            Self::Int(w) => {
+            Self::Own(w) => {
                 let (m, _) = x.dims2()?;
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; m * w.rows()];
@@ -76,16 +76,7 @@ impl Linear {
                 let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
                 Ok(q.embedding(&ids)?.to_dtype(candle_core::DType::F32)?)
             }
-            Self::F16(w) => {
-                let mut out = vec![0f32; ids.len() * w.k];
-                for (dst, &id) in out.chunks_exact_mut(w.k).zip(ids) {
-                    let id = id as usize;
-                    w.w[id * w.k..(id + 1) * w.k].convert_to_f32_slice(dst);
-                }
-                Ok(Tensor::from_vec(out, (ids.len(), w.k), &Device::Cpu)?)
-            }
-            #[cfg(vnni)]
-            Self::Int(w) => {
+            Self::Own(w) => {
                 let k = w.width();
                 let mut out = vec![0f32; ids.len() * k];
                 for (dst, &id) in out.chunks_exact_mut(k).zip(ids) {
@@ -118,10 +109,23 @@ impl F16Matrix {
         let w = t.dequantize_f16(&Device::Cpu)?.flatten_all()?.to_vec1::<f16>()?;
         Ok(Self { w, n, k })
     }
+}
 
-    /// `out (m, n) = x (m, k) · Wᵀ`.
-    pub fn matmul(&self, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
-        assert_eq!(k, self.k, "input width {k} for a weight of width {}", self.k);
+impl Kernel for F16Matrix {
+    fn rows(&self) -> usize {
+        self.n
+    }
+
+    fn width(&self) -> usize {
+        self.k
+    }
+
+    fn row(&self, r: usize, out: &mut [f32]) {
+        self.w[r * self.k..(r + 1) * self.k].convert_to_f32_slice(out);
+    }
+
+    fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
         tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| {
             let (xs, ws) = (&x[i * k..(i + mi) * k], &self.w[j * k..(j + nj) * k]);

@@ -128,12 +128,10 @@ impl Model {
         let all_f32 = tensors.values().all(|t| t.dtype() == candle_core::quantized::GgmlDType::F32);
         let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
         let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
-        let tied = Arc::ptr_eq(&embd_t, &head_t);
+        let head_t = pad_rows_for_kernels(head_t)?;
+        let tied = Arc::ptr_eq(&embd_t, &head_t); // tied, and no padding needed: one copy serves both
         let embd = Linear::new(embd_t)?;
-        let head = match &embd {
-            Linear::F16(_) if tied => embd.clone(), // one f16 copy serves both
-            _ => Linear::new(pad_rows_for_kernels(head_t)?)?,
-        };
+        let head = if tied { embd.clone() } else { Linear::new(head_t)? };
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
         let prelude = (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
         let block = (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
@@ -177,16 +175,21 @@ impl Model {
             return Err(Error::InvalidArgument(format!("loops must be at most {MAX_LOOPS}, got {}", loops.end)));
         }
         if with_prelude {
-            for (i, layer) in self.prelude.iter().enumerate() {
-                x = self.layer_forward(layer, &x, seqs, i)?;
-            }
+            x = self.prelude_pass(x, seqs)?;
         }
         for lp in loops {
-            for (j, layer) in self.block.iter().enumerate() {
-                x = self.layer_forward(layer, &x, seqs, self.slot(lp, j))?;
-            }
+            x = self.loop_pass(x, seqs, lp)?;
         }
         Ok(x)
+    }
+
+    fn prelude_pass(&self, x: Tensor, seqs: &mut [SeqChunk]) -> Result<Tensor> {
+        self.prelude.iter().enumerate().try_fold(x, |x, (i, layer)| self.layer_forward(layer, &x, seqs, i))
+    }
+
+    /// The shared block once, as loop `lp` (0-based).
+    fn loop_pass(&self, x: Tensor, seqs: &mut [SeqChunk], lp: usize) -> Result<Tensor> {
+        self.block.iter().enumerate().try_fold(x, |x, (j, layer)| self.layer_forward(layer, &x, seqs, self.slot(lp, j)))
     }
 
     /// Advance several sequences' rows, each through its own loop range, in shared passes: every loop runs once,
@@ -202,14 +205,10 @@ impl Model {
             return Err(Error::InvalidArgument(format!("loops must be at most {MAX_LOOPS}, got {last}")));
         }
         if !self.prelude.is_empty() {
-            self.advance(blocks, |b| b.loops.start == 0, |x, seqs| {
-                self.prelude.iter().enumerate().try_fold(x, |x, (i, layer)| self.layer_forward(layer, &x, seqs, i))
-            })?;
+            self.advance(blocks, |b| b.loops.start == 0, |x, seqs| self.prelude_pass(x, seqs))?;
         }
         for lp in first..last {
-            self.advance(blocks, |b| b.loops.contains(&lp), |x, seqs| {
-                self.block.iter().enumerate().try_fold(x, |x, (j, layer)| self.layer_forward(layer, &x, seqs, self.slot(lp, j)))
-            })?;
+            self.advance(blocks, |b| b.loops.contains(&lp), |x, seqs| self.loop_pass(x, seqs, lp))?;
         }
         Ok(())
     }

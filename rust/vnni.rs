@@ -20,7 +20,7 @@ use candle_core::quantized::QTensor;
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::linear::tiled;
+use crate::linear::{tiled, Kernel};
 
 const QK: usize = 32;
 
@@ -110,53 +110,6 @@ impl QMatrix {
         Ok(Self { codes, qs, d, n, k, nb })
     }
 
-    pub fn rows(&self) -> usize {
-        self.n
-    }
-
-    pub fn width(&self) -> usize {
-        self.k
-    }
-
-    /// Weight row `r` dequantized (an embedding lookup).
-    pub fn row(&self, r: usize, out: &mut [f32]) {
-        let bb = self.codes.block_bytes();
-        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            let d = self.d[r * self.nb + b];
-            let (lo, hi): ([i32; 16], [i32; 16]) = match self.codes {
-                Codes::Nibbles => {
-                    let q = &self.qs[(r * self.nb + b) * bb..][..16];
-                    (std::array::from_fn(|j| (q[j] & 0x0F) as i32 - 8), std::array::from_fn(|j| (q[j] >> 4) as i32 - 8))
-                }
-                Codes::Bytes => {
-                    let pair = &self.qs[(r * self.nb + (b & !1)) * bb..][..2 * bb];
-                    let h = 16 * (b % 2);
-                    (std::array::from_fn(|j| pair[h + j] as i32 - 128), std::array::from_fn(|j| pair[32 + h + j] as i32 - 128))
-                }
-            };
-            for j in 0..16 {
-                chunk[j] = lo[j] as f32 * d;
-                chunk[j + 16] = hi[j] as f32 * d;
-            }
-        }
-    }
-
-    /// `out (m, n) = x (m, k) · Wᵀ`.
-    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let k = self.k;
-        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        let xq = Q8Rows::quantize(x, m, k, self.nb, self.codes.offset());
-        // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `tiled` keeps blocks within the rows.
-        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| unsafe {
-            match (mi, nj) {
-                (4, 4) => self.dots::<4, 4>(&xq, i, j, acc),
-                (4, _) => self.dots::<4, 1>(&xq, i, j, acc),
-                (_, 4) => self.dots::<1, 4>(&xq, i, j, acc),
-                _ => self.dots::<1, 1>(&xq, i, j, acc),
-            }
-        });
-    }
-
     /// Outputs (x rows `i0..i0+MI`) × (weight rows `w0..w0+NJ`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn dots<const MI: usize, const NJ: usize>(&self, xq: &Q8Rows, i0: usize, w0: usize, acc: &mut [[f32; 4]; 4]) {
@@ -198,6 +151,55 @@ impl QMatrix {
                 acc[a][b] = _mm512_reduce_add_ps(v[a][b]);
             }
         }
+    }
+}
+
+impl Kernel for QMatrix {
+    fn rows(&self) -> usize {
+        self.n
+    }
+
+    fn width(&self) -> usize {
+        self.k
+    }
+
+    /// Weight row `r` dequantized (an embedding lookup).
+    fn row(&self, r: usize, out: &mut [f32]) {
+        let bb = self.codes.block_bytes();
+        for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
+            let d = self.d[r * self.nb + b];
+            let (lo, hi): ([i32; 16], [i32; 16]) = match self.codes {
+                Codes::Nibbles => {
+                    let q = &self.qs[(r * self.nb + b) * bb..][..16];
+                    (std::array::from_fn(|j| (q[j] & 0x0F) as i32 - 8), std::array::from_fn(|j| (q[j] >> 4) as i32 - 8))
+                }
+                Codes::Bytes => {
+                    let pair = &self.qs[(r * self.nb + (b & !1)) * bb..][..2 * bb];
+                    let h = 16 * (b % 2);
+                    (std::array::from_fn(|j| pair[h + j] as i32 - 128), std::array::from_fn(|j| pair[32 + h + j] as i32 - 128))
+                }
+            };
+            for j in 0..16 {
+                chunk[j] = lo[j] as f32 * d;
+                chunk[j + 16] = hi[j] as f32 * d;
+            }
+        }
+    }
+
+    /// `out (m, n) = x (m, k) · Wᵀ`.
+    fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let k = self.k;
+        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
+        let xq = Q8Rows::quantize(x, m, k, self.nb, self.codes.offset());
+        // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `tiled` keeps blocks within the rows.
+        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| unsafe {
+            match (mi, nj) {
+                (4, 4) => self.dots::<4, 4>(&xq, i, j, acc),
+                (4, _) => self.dots::<4, 1>(&xq, i, j, acc),
+                (_, 4) => self.dots::<1, 4>(&xq, i, j, acc),
+                _ => self.dots::<1, 1>(&xq, i, j, acc),
+            }
+        });
     }
 }
 
