@@ -18,13 +18,21 @@ PROMPTS = ["In the beginning God created", "To be, or not to be, that is", "The 
            "Blessed is the man that walketh not"]
 VERIFY = 8
 TOKENS = 32
-# (draft_loops, draft_ahead, K_branches): chain across depths and lengths, then trees.
-SETTINGS = [None] + [(d, k, 1) for d in (1, 2, 3, 4) for k in (2, 4, 8)] + [(2, k, b) for k in (2, 4) for b in (2, 3, 4)]
+# (draft_loops, draft_ahead, K_branches, head): chain across depths and lengths, then trees; drafts through the
+# model's draft vocabulary ("draft") and, for comparison, through the full 50,257-row head ("full").
+SETTINGS = ([None] + [(d, k, 1, "draft") for d in (1, 2, 3, 4) for k in (2, 4, 8)]
+            + [(2, k, b, "draft") for k in (2, 4) for b in (2, 3, 4)]
+            + [(d, 4, 1, "full") for d in (1, 2, 3)] + [(2, 4, 2, "full")])
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tinyloop.Engine(MODEL)
+def engines():
+    return {"draft": tinyloop.Engine(MODEL), "full": tinyloop.Engine(MODEL, draft_vocab=False)}
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines["draft"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +41,13 @@ def reference(engine):
     return [engine.generate(p, params, loops=VERIFY).tokens for p in PROMPTS]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "plain" if s is None else f"d{s[0]}-k{s[1]}-K{s[2]}")
-def test_decode(benchmark, engine, reference, setting):
+@pytest.mark.parametrize("setting", SETTINGS,
+                         ids=lambda s: "plain" if s is None else f"d{s[0]}-k{s[1]}-K{s[2]}-{s[3]}")
+def test_decode(benchmark, engines, reference, setting):
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     draft, branches = (setting[:2], setting[2]) if setting else (None, 1)
+    head = setting[3] if setting else "draft"
+    engine = engines[head]
 
     def run():
         return [engine.generate(p, params, loops=VERIFY, draft=draft, k_branches=branches) for p in PROMPTS]
@@ -46,6 +57,6 @@ def test_decode(benchmark, engine, reference, setting):
     rounds = sum(o.draft_rounds for o in outs)
     accepted = sum(o.draft_accepted for o in outs)
     benchmark.extra_info.update(draft_loops=draft[0] if draft else 0, draft_ahead=draft[1] if draft else 0,
-                                k_branches=branches,
+                                k_branches=branches, head=head, draft_vocab=engine.info.draft_vocab_size,
                                 tokens=TOKENS * len(PROMPTS), rounds=rounds, accepted=accepted,
                                 proposed=sum(o.draft_proposed for o in outs))

@@ -8,7 +8,7 @@ import sys
 
 
 def main(path: str, plot_path: str | None = None) -> None:
-    rows = []
+    rows, full = [], []  # drafts through the model's draft vocabulary / through the full head
     plain = None
     for b in json.load(open(path))["benchmarks"]:
         e = b["extra_info"]
@@ -16,14 +16,25 @@ def main(path: str, plot_path: str | None = None) -> None:
         if e["draft_loops"] == 0:
             plain = tps
         else:
-            rows.append((e["draft_loops"], e["draft_ahead"], e.get("k_branches", 1), tps,
-                         e["accepted"] / max(1, e["rounds"]), e["accepted"] / max(1, e["proposed"])))
+            row = (e["draft_loops"], e["draft_ahead"], e.get("k_branches", 1), tps,
+                   e["accepted"] / max(1, e["rounds"]), e["accepted"] / max(1, e["proposed"]))
+            (full if e.get("head") == "full" else rows).append(row)
     assert plain is not None, "the run has no plain baseline"
     print(f"plain decoding at verify_loops 8: {plain:.1f} tok/s\n")
     print("| draft_loops | draft_ahead | K_branches | tok/s | × plain | accepted per round | acceptance rate |")
     print("|---|---|---|---|---|---|---|")
     for d, k, b, tps, per_round, rate in sorted(rows, key=lambda r: (r[2], r[0], r[1])):
         print(f"| {d} | {k} | {b} | {tps:.1f} | {tps / plain:.2f} | {per_round:.2f} | {rate:.2f} |")
+    if full:
+        print("\nThe same settings with drafts through the full head (`Engine(..., draft_vocab=False)`):\n")
+        print("| draft_loops | draft_ahead | K_branches | full head tok/s | × plain | draft head × plain | acceptance (full / draft) |")
+        print("|---|---|---|---|---|---|---|")
+        by_key = {r[:3]: r for r in rows}
+        for d, k, b, tps, _, rate in sorted(full, key=lambda r: (r[2], r[0], r[1])):
+            mine = by_key.get((d, k, b))
+            ours = f"{mine[3] / plain:.2f}" if mine else "-"
+            ours_rate = f"{mine[5]:.2f}" if mine else "-"
+            print(f"| {d} | {k} | {b} | {tps:.1f} | {tps / plain:.2f} | {ours} | {rate:.2f} / {ours_rate} |")
     if plot_path:
         import matplotlib
 
@@ -34,6 +45,9 @@ def main(path: str, plot_path: str | None = None) -> None:
         for k in sorted({r[1] for r in rows}):
             pts = sorted((d, tps / plain) for d, kk, b, tps, _, _ in rows if kk == k and b == 1)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"chain, draft_ahead {k}")
+        pts = sorted((d, tps / plain) for d, kk, b, tps, _, _ in full if kk == 4 and b == 1)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "x--", color="gray", label="chain, draft_ahead 4, full head")
         for b in sorted({r[2] for r in rows if r[2] > 1}):
             pts = sorted((d, tps / plain) for d, kk, bb, tps, _, _ in rows if bb == b and kk == 4)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", label=f"tree K={b}, draft_ahead 4")

@@ -156,7 +156,7 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
             continue;
         }
         let h: Vec<&Tensor> = draft_rows.iter().map(|(_, x)| x).collect();
-        let logits = model.logits(&Tensor::cat(&h, 0)?)?.to_vec2::<f32>()?;
+        let logits = model.draft_logits(&Tensor::cat(&h, 0)?)?;
         for ((i, x), row) in draft_rows.into_iter().zip(logits) {
             if let Some(round) = rounds[i].as_mut() {
                 members[i].gen.propose(round, x, row);

@@ -338,10 +338,8 @@ fn attend_one<T: KvElem>(q: &[f32], head: &HeadView<T>, visible: impl Iterator<I
         *s = (*s - max).exp();
         sum += *s;
     }
-    out.fill(0.0);
-    for (p, t) in scores.iter().zip(visible) {
-        T::axpy(&head.values[t * w..(t + 1) * w], head.v_meta[t], p / sum, out);
-    }
+    scores.iter_mut().for_each(|s| *s /= sum);
+    T::weighted_sum(head.values, head.v_meta, w, visible, &scores, out);
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! Attention never materializes decoded rows: `dot` and `axpy` work on the stored codes.
 
 use half::f16;
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 use half::slice::HalfFloatSliceExt;
 
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
@@ -26,6 +27,14 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     fn dot(row: &[Self], meta: Self::Meta, q: &[f32], q_sum: f32) -> f32;
     /// `out += w · row`.
     fn axpy(row: &[Self], meta: Self::Meta, w: f32, out: &mut [f32]);
+    /// `out = Σ_i weights[i] · row(rows[i])` over stored rows of `w` elements, accumulated in `rows` order.
+    fn weighted_sum(values: &[Self], meta: &[Self::Meta], w: usize, rows: impl Iterator<Item = usize> + Clone,
+                    weights: &[f32], out: &mut [f32]) {
+        out.fill(0.0);
+        for (&p, t) in weights.iter().zip(rows) {
+            Self::axpy(&values[t * w..(t + 1) * w], meta[t], p, out);
+        }
+    }
 }
 
 /// Lanes of the dot products below: independent partial sums the compiler keeps in one vector register.
@@ -67,31 +76,115 @@ impl KvElem for f16 {
     }
     #[inline]
     fn dot(row: &[Self], _: (), q: &[f32], _: f32) -> f32 {
-        let mut wide = [0f32; LANES];
-        let mut acc = [0f32; LANES];
-        let (rc, qc) = (row.chunks_exact(LANES), q.chunks_exact(LANES));
-        let tail: f32 = rc.remainder().iter().zip(qc.remainder()).map(|(a, b)| a.to_f32() * b).sum();
-        for (r, q) in rc.zip(qc) {
-            r.convert_to_f32_slice(&mut wide);
-            for l in 0..LANES {
-                acc[l] += wide[l] * q[l];
-            }
-        }
-        acc.iter().sum::<f32>() + tail
+        f16_dot(row, q)
     }
     #[inline]
     fn axpy(row: &[Self], _: (), w: f32, out: &mut [f32]) {
-        let mut wide = [0f32; LANES];
-        let mut oc = out.chunks_exact_mut(LANES);
-        let mut rc = row.chunks_exact(LANES);
-        for (o, r) in oc.by_ref().zip(rc.by_ref()) {
-            r.convert_to_f32_slice(&mut wide);
-            for l in 0..LANES {
-                o[l] += w * wide[l];
+        f16_axpy(row, w, out)
+    }
+    /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
+    /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    fn weighted_sum(values: &[Self], _: &[()], w: usize, rows: impl Iterator<Item = usize> + Clone,
+                    weights: &[f32], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        const WIDE: usize = 4 * LANES;
+        if !w.is_multiple_of(WIDE) || out.len() != w {
+            out.fill(0.0);
+            for (&p, t) in weights.iter().zip(rows) {
+                f16_axpy(&values[t * w..(t + 1) * w], p, out);
+            }
+            return;
+        }
+        for c in (0..w).step_by(WIDE) {
+            // SAFETY: avx512f is enabled at compile time; each row t is values[t*w..(t+1)*w] (bounds-checked
+            // below) and c + WIDE <= w, so every load and store stays inside its slice.
+            unsafe {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for (&p, t) in weights.iter().zip(rows.clone()) {
+                    let row = &values[t * w + c..t * w + c + WIDE];
+                    let pv = _mm512_set1_ps(p);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(j * LANES) as *const __m256i));
+                        *a = _mm512_fmadd_ps(pv, v, *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(c + j * LANES), *a);
+                }
             }
         }
-        oc.into_remainder().iter_mut().zip(rc.remainder()).for_each(|(o, x)| *o += w * x.to_f32());
     }
+}
+
+/// `Σ row_i · q_i`: 16 lanes of fused multiply-adds over f16 widened in registers, reduced at the end (the same
+/// fixed order for every row, so a score never depends on which other rows are attended alongside).
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[inline]
+fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = row.len().min(q.len());
+    let full = n - n % LANES;
+    // SAFETY: avx512f is enabled at compile time; every load reads LANES elements below `full` <= both lengths.
+    let head = unsafe {
+        let mut acc = _mm512_setzero_ps();
+        for c in (0..full).step_by(LANES) {
+            let k = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
+            acc = _mm512_fmadd_ps(k, _mm512_loadu_ps(q.as_ptr().add(c)), acc);
+        }
+        _mm512_reduce_add_ps(acc)
+    };
+    head + row[full..n].iter().zip(&q[full..n]).map(|(a, b)| a.to_f32() * b).sum::<f32>()
+}
+
+/// `out += w · row`, 16 lanes at a time.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[inline]
+fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = row.len().min(out.len());
+    let full = n - n % LANES;
+    // SAFETY: as in f16_dot; stores write LANES elements below `full` <= out.len().
+    unsafe {
+        let wv = _mm512_set1_ps(w);
+        for c in (0..full).step_by(LANES) {
+            let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
+            let o = out.as_mut_ptr().add(c);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, v, _mm512_loadu_ps(o)));
+        }
+    }
+    out[full..n].iter_mut().zip(&row[full..n]).for_each(|(o, x)| *o += w * x.to_f32());
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+#[inline]
+fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
+    let mut wide = [0f32; LANES];
+    let mut acc = [0f32; LANES];
+    let (rc, qc) = (row.chunks_exact(LANES), q.chunks_exact(LANES));
+    let tail: f32 = rc.remainder().iter().zip(qc.remainder()).map(|(a, b)| a.to_f32() * b).sum();
+    for (r, q) in rc.zip(qc) {
+        r.convert_to_f32_slice(&mut wide);
+        for l in 0..LANES {
+            acc[l] += wide[l] * q[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+#[inline]
+fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
+    let mut wide = [0f32; LANES];
+    let mut oc = out.chunks_exact_mut(LANES);
+    let mut rc = row.chunks_exact(LANES);
+    for (o, r) in oc.by_ref().zip(rc.by_ref()) {
+        r.convert_to_f32_slice(&mut wide);
+        for l in 0..LANES {
+            o[l] += w * wide[l];
+        }
+    }
+    oc.into_remainder().iter_mut().zip(rc.remainder()).for_each(|(o, x)| *o += w * x.to_f32());
 }
 
 impl KvElem for i8 {
@@ -233,5 +326,25 @@ mod tests {
         spike[3] = 4.0;
         hadamard(&mut spike);
         assert!(spike.iter().all(|v| (v.abs() - 1.0).abs() < 1e-6));
+    }
+
+    #[test]
+    fn f16_weighted_sum_is_axpy_row_after_row_and_dot_matches_f64() {
+        for w in [64, 128, 48] {
+            let n = 37;
+            let vals: Vec<f16> = row(n * w, 7).iter().map(|&x| f16::from_f32(x)).collect();
+            let weights: Vec<f32> = row(n, 3).iter().map(|x| x.abs()).collect();
+            let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
+            let mut expect = vec![0f32; w];
+            for (&p, &t) in weights.iter().zip(&rows) {
+                f16::axpy(&vals[t * w..(t + 1) * w], (), p, &mut expect);
+            }
+            let mut got = vec![1f32; w];
+            f16::weighted_sum(&vals, &vec![(); n], w, rows.iter().copied(), &weights, &mut got);
+            assert_eq!(got, expect, "w = {w}");
+            let q = row(w, 11);
+            let exact: f64 = vals[..w].iter().zip(&q).map(|(a, b)| a.to_f64() * *b as f64).sum();
+            assert!((f16::dot(&vals[..w], (), &q, 0.0) as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
+        }
     }
 }

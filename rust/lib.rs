@@ -5,6 +5,7 @@
 //! `python`) is the only place that knows about Python.
 
 pub mod batch;
+pub mod draft_head;
 pub mod error;
 pub mod engine;
 pub mod kv;

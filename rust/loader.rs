@@ -54,6 +54,8 @@ pub struct ModelFile {
     /// weights (a quantizer's fallback type for a few tensors, like Q2_K's for rows not a multiple of 256, does not
     /// change the label); "mixed" only when no type holds a majority.
     pub quant: String,
+    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (rust/draft_head.rs), if listed.
+    pub draft_ids: Option<Vec<u32>>,
 }
 
 struct Reader<'a> {
@@ -204,6 +206,28 @@ fn read_vocab(r: &Reader) -> Result<VocabData> {
     Ok(VocabData { bos_token_id: id("tokenizer.ggml.bos_token_id")?, eos_token_id: id("tokenizer.ggml.eos_token_id")?, tokens, token_types, merges })
 }
 
+/// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
+fn read_draft_ids(r: &Reader, vocab_size: usize) -> Result<Option<Vec<u32>>> {
+    const KEY: &str = "tinyloop.draft.token_ids";
+    if !r.content.metadata.contains_key(KEY) {
+        return Ok(None);
+    }
+    let ids = r.ints(KEY)?;
+    let mut seen = std::collections::HashSet::new();
+    for &t in &ids {
+        if t < 0 || t as usize >= vocab_size {
+            return Err(r.err(KEY, format!("token id {t} is outside the {vocab_size}-token vocabulary")));
+        }
+        if !seen.insert(t) {
+            return Err(r.err(KEY, format!("token id {t} is listed twice")));
+        }
+    }
+    if ids.is_empty() {
+        return Err(r.err(KEY, "the list is empty"));
+    }
+    Ok(Some(ids.into_iter().map(|t| t as u32).collect()))
+}
+
 /// Every tensor the config implies, with candle's (row-major, outermost first) shape.
 pub fn expected_tensors(cfg: &Config, tied_head: bool) -> BTreeMap<String, Vec<usize>> {
     let (d, f, kv) = (cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim);
@@ -306,5 +330,6 @@ pub fn load(path: &Path) -> Result<ModelFile> {
     }
     let total: usize = by_label.values().sum();
     let quant = by_label.iter().find(|(_, &n)| 2 * n > total).map_or("mixed", |(l, _)| *l).to_string();
-    Ok(ModelFile { config, vocab, tensors, quant })
+    let draft_ids = read_draft_ids(&r, config.vocab_size)?;
+    Ok(ModelFile { config, vocab, tensors, quant, draft_ids })
 }

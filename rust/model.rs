@@ -14,6 +14,7 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+use crate::draft_head::DraftHead;
 use crate::error::{Error, Result};
 use crate::linear::Linear;
 use crate::kv::{AttnShape, KvCache, KvKind, RowLayout};
@@ -35,6 +36,9 @@ pub struct Model {
     pub cfg: Config,
     embd: Linear,
     head: Linear,
+    /// The head over the file's draft vocabulary, for speculative drafts (used while `use_draft_head`).
+    draft_head: Option<DraftHead>,
+    use_draft_head: bool,
     output_norm: Tensor,
     prelude: Vec<Layer>,
     block: Vec<Layer>,
@@ -124,11 +128,12 @@ impl Layer {
 
 impl Model {
     pub fn new(file: ModelFile) -> Result<Self> {
-        let ModelFile { config: cfg, mut tensors, .. } = file;
+        let ModelFile { config: cfg, mut tensors, draft_ids, .. } = file;
         let all_f32 = tensors.values().all(|t| t.dtype() == candle_core::quantized::GgmlDType::F32);
         let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
         let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
         let head_t = pad_rows_for_kernels(head_t)?;
+        let draft_head = draft_ids.map(|ids| DraftHead::new(&head_t, &ids, cfg.vocab_size)).transpose()?;
         let tied = Arc::ptr_eq(&embd_t, &head_t); // tied, and no padding needed: one copy serves both
         let embd = Linear::new(embd_t)?;
         let head = if tied { embd.clone() } else { Linear::new(head_t)? };
@@ -138,7 +143,8 @@ impl Model {
         let half = cfg.head_dim / 2;
         let inv_freq = (0..half).map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64)).collect();
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
-        Ok(Self { cfg, embd, head, output_norm, prelude, block, inv_freq, kv_kind })
+        let use_draft_head = draft_head.is_some();
+        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, inv_freq, kv_kind })
     }
 
     pub fn kv_kind(&self) -> KvKind {
@@ -244,9 +250,35 @@ impl Model {
         Ok(())
     }
 
+    /// Tokens drafts may propose through the draft head (0 when drafts use the full head).
+    pub fn draft_vocab_len_in_use(&self) -> usize {
+        match &self.draft_head {
+            Some(d) if self.use_draft_head => d.len(),
+            _ => 0,
+        }
+    }
+
+    /// Draft with the file's draft vocabulary (the default when it lists one) or with the full head.
+    pub fn set_use_draft_head(&mut self, on: bool) {
+        self.use_draft_head = on && self.draft_head.is_some();
+    }
+
+    /// Logit rows for speculative drafts: the draft head's (−∞ outside its vocabulary) when in use, else the full
+    /// head's. Never used to choose an output token.
+    pub fn draft_logits(&self, h: &Tensor) -> Result<Vec<Vec<f32>>> {
+        match &self.draft_head {
+            Some(d) if self.use_draft_head => d.logits(&self.final_norm(h)?, self.cfg.vocab_size),
+            _ => Ok(self.logits(h)?.to_vec2::<f32>()?),
+        }
+    }
+
+    fn final_norm(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?)
+    }
+
     /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?;
+        let h = self.final_norm(h)?;
         let logits = self.head.forward(&h)?.to_dtype(DType::F32)?;
         match logits.dim(candle_core::D::Minus1)? {
             n if n == self.cfg.vocab_size => Ok(logits),

@@ -130,6 +130,8 @@ struct ModelInfo {
     quant: String,
     kv_dtype: String,
     kv_cache_mode: String,
+    /// Tokens speculative drafts may propose through the draft head; 0 when drafts use the full head.
+    draft_vocab_size: usize,
 }
 
 #[pymethods]
@@ -289,9 +291,10 @@ impl Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16"))]
-    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>, kv_cache_mode: &str) -> PyResult<Self> {
-        let inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
+    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true))]
+    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>, kv_cache_mode: &str, draft_vocab: bool) -> PyResult<Self> {
+        let mut inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
+        inner.model.set_use_draft_head(draft_vocab);
         Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
     }
 
@@ -320,6 +323,7 @@ impl Engine {
             quant: self.inner.quant.clone(),
             kv_dtype: self.inner.model.kv_kind().name().to_string(),
             kv_cache_mode: self.inner.kv_cache_mode.clone(),
+            draft_vocab_size: self.inner.model.draft_vocab_len_in_use(),
         }
     }
 

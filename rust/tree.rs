@@ -65,7 +65,7 @@ impl Generator {
                 leaf_row.push(leaf_rows);
             }
             if j < k {
-                let logits = model.logits(&h.narrow(0, 0, 1)?)?.flatten_all()?.to_vec1::<f32>()?;
+                let logits = model.draft_logits(&h.narrow(0, 0, 1)?)?.swap_remove(0);
                 let best = top_k(&logits, kb);
                 path.push(best[0]);
                 leaves.push(best[1..].to_vec());

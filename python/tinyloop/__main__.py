@@ -5,6 +5,7 @@
     tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
     tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
     tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
+    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N]   # cheaper speculative drafts
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def _export_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .draft_vocab import build
+
+    ids, covered = build(Path(args.input), Path(args.output), Path(args.corpus), size=args.size)
+    print(f"wrote {args.output}: {len(ids)} draft tokens, covering {covered:.1%} of the corpus's tokens")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", type=int, default=None, help="depth to unroll (default: the model's default loops)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_export_llama)
+
+    p = sub.add_parser("draft-vocab", help="list a corpus's most frequent tokens in the model, for cheaper drafts")
+    p.add_argument("input", help="a .tinyloop file")
+    p.add_argument("output", help="the .tinyloop file to write (may be the input)")
+    p.add_argument("--corpus", required=True, help="text to count tokens in (passages separated by <|endoftext|> lines)")
+    p.add_argument("--size", type=int, default=4096, help="tokens to keep (default 4096)")
+    p.set_defaults(run=_draft_vocab)
 
     args = parser.parse_args(argv)
     from ._core import TinyloopError

@@ -71,6 +71,7 @@ class ModelInfo:
     quant: str
     kv_dtype: str
     kv_cache_mode: str
+    draft_vocab_size: int  # tokens speculative drafts may propose via the draft head; 0: drafts use the full head
 
 class Generation:
     tokens: list[int]
@@ -106,7 +107,11 @@ class Sequence:
 
 class Engine:
     def __init__(
-        self, path: str | PathLike[str], max_seq_len: int | None = None, kv_cache_mode: str = "fp16"
+        self,
+        path: str | PathLike[str],
+        max_seq_len: int | None = None,
+        kv_cache_mode: str = "fp16",
+        draft_vocab: bool = True,  # draft through the file's draft vocabulary, when it lists one
     ) -> None: ...
     @property
     def path(self) -> str: ...

@@ -80,7 +80,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("heldout", type=Path)
-    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--tokens", type=int, default=32768, help="held-out tokens to score (0: the whole file)")
+    ap.add_argument("--depths", default=None, help="comma-separated loop depths (default: 1,2,3,4,6,8,12,16; 8 is "
+                    "always scored, as the agreement reference)")
     ap.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_seq_len - 1)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
@@ -89,9 +91,11 @@ def main() -> int:
 
     engine = Engine(args.model)
     window = args.window or engine.info.max_seq_len - 1
-    ids = held_out_ids(engine, args.heldout.read_text(), args.tokens)
-    result = evaluate(engine, ids, window)
-    for d in DEPTHS:
+    text = args.heldout.read_text()
+    ids = held_out_ids(engine, text, args.tokens or len(text))
+    depths = sorted({int(d) for d in args.depths.split(",")} | {REFERENCE_DEPTH}) if args.depths else DEPTHS
+    result = evaluate(engine, ids, window, depths)
+    for d in depths:
         print(f"loops {d:2d}: perplexity {result['perplexity'][d]:8.2f}   agreement with 8: {result['agreement_with_8'][d]:.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -234,9 +234,10 @@ def dequantized(array: np.ndarray, weight_type: str) -> np.ndarray:
     return gguf.quants.dequantize(encoded(data, weight_type), WEIGHT_TYPES[weight_type]).astype(np.float32)
 
 
-def read_gguf(path: str | PathLike[str]) -> GGUFContents:
+def read_gguf(path: str | PathLike[str], raw: bool = False) -> GGUFContents:
     """A `.tinyloop` file's metadata (every key, as written) and tensors (dequantized to float32, with their stored
-    type names). Raises ValueError for a file that is not GGUF or not a tinyloop model."""
+    type names; with `raw`, as stored: F32/F16 arrays, quantized types as uint8 blocks, so that writing them back
+    copies them bit for bit). Raises ValueError for a file that is not GGUF or not a tinyloop model."""
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
@@ -252,8 +253,11 @@ def read_gguf(path: str | PathLike[str]) -> GGUFContents:
     for t in reader.tensors:
         if t.tensor_type.name not in WEIGHT_TYPES:
             raise ValueError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
+        if raw:
+            tensors[t.name] = (np.array(t.data), t.tensor_type.name)  # a copy: no view of the file
+            continue
         array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        tensors[t.name] = (np.array(array, dtype=np.float32), t.tensor_type.name)  # a copy: no view of the file
+        tensors[t.name] = (np.array(array, dtype=np.float32), t.tensor_type.name)
     return GGUFContents(meta, tensors)
 
 
