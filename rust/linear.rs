@@ -61,10 +61,23 @@ impl Linear {
             Self::Quantized(q) => Ok(q.forward(x)?),
             Self::Own(w) => {
                 let (m, _) = x.dims2()?;
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; m * w.rows()];
-                w.matmul(&xs, m, &mut out);
+                let out = self.forward_rows(&x.flatten_all()?.to_vec1::<f32>()?, m)?;
                 Ok(Tensor::from_vec(out, (m, w.rows()), &Device::Cpu)?)
+            }
+        }
+    }
+
+    /// `x · Wᵀ` on plain rows: `m` rows of `k` values to `m` rows of `n`.
+    pub fn forward_rows(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        match self {
+            Self::Quantized(q) => {
+                let t = Tensor::from_slice(x, (m, x.len() / m.max(1)), &Device::Cpu)?;
+                Ok(q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+            Self::Own(w) => {
+                let mut out = vec![0f32; m * w.rows()];
+                w.matmul(x, m, &mut out);
+                Ok(out)
             }
         }
     }
@@ -142,13 +155,30 @@ impl Kernel for F16Matrix {
 /// A block of outputs: `acc[a][b]` = input row `i + a` · weight row `j + b`, for `a < mi`, `b < nj` (each 4 or 1).
 pub(crate) type Block<'a> = dyn Fn(usize, usize, usize, usize, &mut [[f32; 4]; 4]) + Sync + 'a;
 
+/// The output buffer, shared by the tiles of one `tiled` call: each tile writes only its own columns.
+struct Columns(*mut f32);
+// SAFETY: tiles write disjoint columns of the buffer (see `tiled`), which outlives the parallel region.
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// Copy `vals` to `out[row * n + col ..]`.
+    ///
+    /// # Safety
+    /// The range must lie inside the buffer and belong to the calling tile alone.
+    unsafe fn write(&self, at: usize, vals: &[f32]) {
+        std::ptr::copy_nonoverlapping(vals.as_ptr(), self.0.add(at), vals.len());
+    }
+}
+
 /// `out (m, n)`: weight rows in tiles of `TILE` (spread over the rayon pool when the product has at least
-/// `PARALLEL_MIN` multiply-adds), each tile in blocks of 4 × 4 outputs (1-wide at the edges) computed by `block`.
+/// `PARALLEL_MIN` multiply-adds), each tile in blocks of 4 × 4 outputs (1-wide at the edges) computed by `block`
+/// and written straight into its own columns of `out`.
 pub(crate) fn tiled(m: usize, n: usize, macs: usize, out: &mut [f32], block: &Block) {
-    let run = |t: usize| -> Vec<f32> {
+    assert_eq!(out.len(), m * n, "tiled output buffer size");
+    let cols = Columns(out.as_mut_ptr());
+    let run = |t: usize| {
         let rows = t * TILE..((t + 1) * TILE).min(n);
         let width = rows.len();
-        let mut part = vec![0f32; m * width];
         let mut i = 0;
         while i < m {
             let mi = if m - i >= 4 { 4 } else { 1 };
@@ -158,25 +188,20 @@ pub(crate) fn tiled(m: usize, n: usize, macs: usize, out: &mut [f32], block: &Bl
                 let mut acc = [[0f32; 4]; 4];
                 block(i, mi, rows.start + j, nj, &mut acc);
                 for (a, row) in acc.iter().take(mi).enumerate() {
-                    part[(i + a) * width + j..(i + a) * width + j + nj].copy_from_slice(&row[..nj]);
+                    // SAFETY: i + a < m and rows.start + j + nj <= rows.end <= n, so the range is inside the
+                    // m · n buffer; only tile t writes columns `rows`.
+                    unsafe { cols.write((i + a) * n + rows.start + j, &row[..nj]) };
                 }
                 j += nj;
             }
             i += mi;
         }
-        part
     };
     let tiles = n.div_ceil(TILE);
-    let parts: Vec<Vec<f32>> = if macs >= PARALLEL_MIN {
-        (0..tiles).into_par_iter().map(run).collect()
+    if macs >= PARALLEL_MIN {
+        (0..tiles).into_par_iter().for_each(run);
     } else {
-        (0..tiles).map(run).collect()
-    };
-    for (t, part) in parts.iter().enumerate() {
-        let width = part.len() / m;
-        for (i, src) in part.chunks_exact(width).enumerate() {
-            out[i * n + t * TILE..i * n + t * TILE + width].copy_from_slice(src);
-        }
+        (0..tiles).for_each(run);
     }
 }
 

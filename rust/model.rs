@@ -21,12 +21,12 @@ use crate::kv::{AttnShape, KvCache, KvKind, RowLayout};
 use crate::loader::{Config, ModelFile, MAX_LOOPS};
 
 struct Layer {
-    attn_norm: Tensor,
+    attn_norm: Vec<f32>,
     wq: Linear,
     wk: Linear,
     wv: Linear,
     wo: Linear,
-    ffn_norm: Tensor,
+    ffn_norm: Vec<f32>,
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -113,12 +113,12 @@ fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Tensor> {
 impl Layer {
     fn load(t: &mut HashMap<String, QTensor>, p: &str) -> Result<Self> {
         Ok(Self {
-            attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?,
+            attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?.to_vec1()?,
             wq: matmul(t, &format!("{p}.attn_q.weight"))?,
             wk: matmul(t, &format!("{p}.attn_k.weight"))?,
             wv: matmul(t, &format!("{p}.attn_v.weight"))?,
             wo: matmul(t, &format!("{p}.attn_output.weight"))?,
-            ffn_norm: norm(t, &format!("{p}.ffn_norm.weight"))?,
+            ffn_norm: norm(t, &format!("{p}.ffn_norm.weight"))?.to_vec1()?,
             gate: matmul(t, &format!("{p}.ffn_gate.weight"))?,
             up: matmul(t, &format!("{p}.ffn_up.weight"))?,
             down: matmul(t, &format!("{p}.ffn_down.weight"))?,
@@ -312,13 +312,17 @@ impl Model {
         self.logits(&h)
     }
 
+    /// One layer over the rows of every sequence. Norms, residuals and the SwiGLU gate run here on plain rows (a
+    /// pool round trip per element-wise op would cost more than the op at decode sizes); matmuls in `Linear`.
     fn layer_forward(&self, l: &Layer, x: &Tensor, seqs: &mut [SeqChunk], slot: usize) -> Result<Tensor> {
-        let eps = self.cfg.rms_eps as f32;
-        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.n_heads, self.cfg.n_kv_heads);
-        let h = candle_nn::ops::rms_norm(x, &l.attn_norm, eps)?;
-        let mut q = l.wq.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nh*hd)
-        let mut k = l.wk.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nkv*hd)
-        let v = l.wv.forward(&h)?.flatten_all()?.to_vec1::<f32>()?; // (n, nkv*hd)
+        let eps = self.cfg.rms_eps;
+        let (hd, nh, nkv, dim) = (self.cfg.head_dim, self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.dim);
+        let n = x.dim(0)?;
+        let mut xs = x.flatten_all()?.to_vec1::<f32>()?; // (n, dim), the residual stream
+        let h = rms_norm(&xs, &l.attn_norm, eps);
+        let mut q = l.wq.forward_rows(&h, n)?; // (n, nh*hd)
+        let mut k = l.wk.forward_rows(&h, n)?; // (n, nkv*hd)
+        let v = l.wv.forward_rows(&h, n)?; // (n, nkv*hd)
         let mut att = vec![0f32; q.len()];
         let mut row = 0;
         for s in seqs.iter_mut() {
@@ -344,11 +348,13 @@ impl Model {
             }
             row += n;
         }
-        let att = Tensor::from_vec(att, x.dims(), &Device::Cpu)?;
-        let x = (x + l.wo.forward(&att)?)?;
-        let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
-        let m = (candle_nn::ops::silu(&l.gate.forward(&h)?)? * l.up.forward(&h)?)?;
-        Ok((x + l.down.forward(&m)?)?)
+        add_assign(&mut xs, &l.wo.forward_rows(&att, n)?);
+        let h = rms_norm(&xs, &l.ffn_norm, eps);
+        let mut m = l.gate.forward_rows(&h, n)?;
+        let up = l.up.forward_rows(&h, n)?;
+        m.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u); // silu(gate) · up
+        add_assign(&mut xs, &l.down.forward_rows(&m, n)?);
+        Ok(Tensor::from_vec(xs, (n, dim), &Device::Cpu)?)
     }
 
     /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), row r at
@@ -367,4 +373,21 @@ impl Model {
             }
         }
     }
+}
+
+/// RMSNorm of each `w.len()`-wide row, as ggml computes it: the mean square summed in f64, then
+/// `x · (1 / √(mean + ε)) · w` in f32.
+fn rms_norm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let d = w.len();
+    let mut out = vec![0f32; x.len()];
+    for (o, row) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        let mean = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+        let scale = (1.0 / (mean + eps).sqrt()) as f32;
+        o.iter_mut().zip(row).zip(w).for_each(|((o, &v), &g)| *o = v * scale * g);
+    }
+    out
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
