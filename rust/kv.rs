@@ -16,7 +16,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::kv_elem::{hadamard, KvElem, Nibbles};
+use crate::kv_elem::{hadamard, softmax_in_place, KvElem, Nibbles};
 
 /// Positions a windowed slot keeps below the oldest one still visible, so that rolling back a speculative round
 /// (at most 64 rows) never needs a dropped key.
@@ -332,13 +332,7 @@ fn attend_one<T: KvElem>(q: &[f32], head: &HeadView<T>, visible: impl Iterator<I
     let w = hd / T::PACK;
     let q_sum: f32 = q.iter().sum();
     let mut scores: Vec<f32> = visible.clone().map(|t| T::dot(&head.keys[t * w..(t + 1) * w], head.k_meta[t], q, q_sum) * scale).collect();
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    scores.iter_mut().for_each(|s| *s /= sum);
+    softmax_in_place(&mut scores);
     T::weighted_sum(head.values, head.v_meta, w, visible, &scores, out);
 }
 

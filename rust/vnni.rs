@@ -3,7 +3,8 @@
 //! through a generic per-block dot product; llama.cpp repacks and runs tiled kernels, several times faster at
 //! prefill. This is tinyloop's own:
 //!
-//! - inputs are quantized per 32-value block exactly as ggml does (`d = amax / 127` stored as f16, `round(x / d)`),
+//! - inputs are quantized per 32-value block exactly as ggml's x86 code does (`d = amax / 127` stored as f16,
+//!   `x / d` rounded to nearest, ties to even),
 //!   so the arithmetic is the one llama.cpp runs on the same weights;
 //! - weights are repacked at load into unsigned codes (Q4_0: nibbles, 16 bytes per block; Q8_0: the byte + 128,
 //!   interleaved like the expanded nibbles) and f32 block scales, two blocks per step;
@@ -203,6 +204,23 @@ impl Kernel for QMatrix {
     }
 }
 
+/// One block of 32 activations as ggml's AVX code quantizes it: `d = amax / 127`, `q = round(x / d)` to nearest
+/// (ties to even, the vector unit's mode), saturated to i8. Returns `d` (before its f16 rounding).
+fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
+    assert_eq!(xb.len(), QK);
+    // SAFETY: the cfg of this module guarantees AVX-512 F; xb holds 32 floats and q 32 bytes (checked above).
+    unsafe {
+        let (a, b) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        let d = amax / 127.0;
+        let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let round = |v| _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, id)));
+        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, round(a));
+        _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, round(b));
+        d
+    }
+}
+
 impl Q8Rows {
     fn quantize(x: &[f32], m: usize, k: usize, nb: usize, offset: i32) -> Self {
         let pairs = nb / 2;
@@ -212,13 +230,7 @@ impl Q8Rows {
         let mut q = [0i8; QK];
         for i in 0..m {
             for b in 0..k / QK {
-                let xb = &x[i * k + b * QK..i * k + (b + 1) * QK];
-                let amax = xb.iter().fold(0f32, |s, v| s.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                for (o, &v) in q.iter_mut().zip(xb) {
-                    *o = (v * id).round() as i8;
-                }
+                let d = quantize_block(&x[i * k + b * QK..i * k + (b + 1) * QK], &mut q);
                 let (row, half) = (i * pairs + b / 2, b % 2);
                 // Halves of block b go to bytes 16·half..+16 (values 0..16) and 32 + 16·half..+16 (16..32).
                 qs[row * 64 + 16 * half..][..16].copy_from_slice(&q[..16]);
@@ -265,7 +277,7 @@ mod tests {
                         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                         let dq = f16::from_f32(d).to_f32() as f64;
                         for (c, &v) in xb.iter().enumerate() {
-                            want += deq[j][b * QK + c] as f64 * (v * id).round() as f64 * dq;
+                            want += deq[j][b * QK + c] as f64 * (v * id).round_ties_even() as f64 * dq;
                         }
                     }
                     let got = all[i * n + j] as f64;
