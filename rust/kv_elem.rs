@@ -157,9 +157,6 @@ fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
 }
 
 /// `s = softmax(s)` in place: `exp(s_i − max)` (libm's `expf`), summed in order, each divided by the sum.
-/// (A 16-lane polynomial `exp` was tried: within 1e-5 of this, but it changed one sampled token of a windowed F32
-/// request between its batched and solo runs in `tests/test_batch.py`, a difference not explained yet — see the
-/// performance doc; this is the arithmetic every test was built on.)
 pub fn softmax_in_place(s: &mut [f32]) {
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;

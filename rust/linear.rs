@@ -1,10 +1,11 @@
 //! Linear layers. Quantized weights go through candle's `QMatMul` (its AVX-512 VNNI kernels where it has them).
-//! F16 weights get a kernel of their own: candle would dequantize them to f32 at load (twice the memory, and twice
+//! F16 (and F32) weights get a kernel of their own: candle would dequantize them to f32 at load (twice the memory, and twice
 //! the bytes a decode step streams — the 50,257-row head dominates a small model's step) and multiply through a
 //! general f32 GEMM tuned for large shapes. Here the weights stay f16 and every output is one dot product of an f32
 //! input row with an f16 weight row widened to f32 (exact), accumulated in 16 f32 lanes in a fixed order — so an
 //! output never depends on how many rows are multiplied at once (batched == solo, bit for bit), and results equal
-//! the f32 reference up to summation order. Rows of the weight are split across the rayon pool in tiles, each used
+//! the f32 reference up to summation order. (candle's f32 GEMM does not keep that promise: from 5 rows on a row's
+//! result changes in its last bits, so F32 weights run here too.) Rows of the weight are split across the rayon pool in tiles, each used
 //! for every input row while it is in cache.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -43,6 +44,9 @@ impl Linear {
     pub fn new(t: Arc<QTensor>) -> Result<Self> {
         Ok(match t.dtype() {
             GgmlDType::F16 => Self::Own(Arc::new(F16Matrix::new(&t)?)),
+            // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
+            // with (from 5 rows on), which would let batch-mates change a request's output.
+            GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
             #[cfg(vnni)]
             GgmlDType::Q4_0 => Self::Own(Arc::new(crate::vnni::QMatrix::new(&t, crate::vnni::Codes::Nibbles)?)),
             // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
@@ -109,14 +113,56 @@ fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
     Ok(n % 16 == 0 && k % 256 == 0)
 }
 
-/// An `(n, k)` f16 weight, row-major.
-pub struct F16Matrix {
-    w: Vec<f16>,
+/// A weight element tinyloop's dense kernel reads: f16 (widened in registers) or f32.
+pub trait Dense: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// `dst = src` as f32 (equal lengths).
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Sixteen elements at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable elements; the CPU must have AVX-512 F.
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Dense for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+impl Dense for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+/// An `(n, k)` dense weight, row-major, kept in its stored type (F16 or F32).
+pub struct DenseMatrix<W: Dense> {
+    w: Vec<W>,
     n: usize,
     k: usize,
 }
 
-impl F16Matrix {
+pub type F16Matrix = DenseMatrix<f16>;
+
+impl DenseMatrix<f16> {
     pub fn new(t: &QTensor) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
         let w = t.dequantize_f16(&Device::Cpu)?.flatten_all()?.to_vec1::<f16>()?;
@@ -124,7 +170,15 @@ impl F16Matrix {
     }
 }
 
-impl Kernel for F16Matrix {
+impl DenseMatrix<f32> {
+    pub fn new(t: &QTensor) -> Result<Self> {
+        let (n, k) = t.shape().dims2()?;
+        let w = t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Self { w, n, k })
+    }
+}
+
+impl<W: Dense> Kernel for DenseMatrix<W> {
     fn rows(&self) -> usize {
         self.n
     }
@@ -134,7 +188,7 @@ impl Kernel for F16Matrix {
     }
 
     fn row(&self, r: usize, out: &mut [f32]) {
-        self.w[r * self.k..(r + 1) * self.k].convert_to_f32_slice(out);
+        W::widen(&self.w[r * self.k..(r + 1) * self.k], out);
     }
 
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
@@ -143,10 +197,10 @@ impl Kernel for F16Matrix {
         tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| {
             let (xs, ws) = (&x[i * k..(i + mi) * k], &self.w[j * k..(j + nj) * k]);
             match (mi, nj) {
-                (4, 4) => dots::<4, 4>(xs, ws, k, acc),
-                (4, _) => dots::<4, 1>(xs, ws, k, acc),
-                (_, 4) => dots::<1, 4>(xs, ws, k, acc),
-                _ => dots::<1, 1>(xs, ws, k, acc),
+                (4, 4) => dots::<W, 4, 4>(xs, ws, k, acc),
+                (4, _) => dots::<W, 4, 1>(xs, ws, k, acc),
+                (_, 4) => dots::<W, 1, 4>(xs, ws, k, acc),
+                _ => dots::<W, 1, 1>(xs, ws, k, acc),
             }
         });
     }
@@ -210,7 +264,7 @@ pub(crate) fn tiled(m: usize, n: usize, macs: usize, out: &mut [f32], block: &Bl
 /// lanes summed, then the tail — so an output never depends on its neighbours. The block shares loads: each x
 /// chunk feeds NJ products, each widened w chunk MI.
 #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &mut [[f32; 4]; 4]) {
+fn dots<W: Dense, const MI: usize, const NJ: usize>(x: &[f32], w: &[W], k: usize, acc: &mut [[f32; 4]; 4]) {
     use std::arch::x86_64::*;
     assert!(x.len() >= MI * k && w.len() >= NJ * k && MI <= 4 && NJ <= 4);
     // SAFETY: avx512f is enabled at compile time (the cfg above); every load reads 16 elements below row end.
@@ -220,7 +274,7 @@ fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &
         while c + LANES <= k {
             let mut wv = [_mm512_setzero_ps(); NJ];
             for (b, wb) in wv.iter_mut().enumerate() {
-                *wb = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(b * k + c) as *const __m256i));
+                *wb = W::load16(w.as_ptr().add(b * k + c));
             }
             for (a, va) in v.iter_mut().enumerate() {
                 let xa = _mm512_loadu_ps(x.as_ptr().add(a * k + c));
@@ -241,7 +295,7 @@ fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &
 
 /// Portable version of the above (the compiler vectorizes the lanes).
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &mut [[f32; 4]; 4]) {
+fn dots<W: Dense, const MI: usize, const NJ: usize>(x: &[f32], w: &[W], k: usize, acc: &mut [[f32; 4]; 4]) {
     let mut wide = [0f32; LANES];
     for a in 0..MI {
         for b in 0..NJ {
@@ -250,7 +304,7 @@ fn dots<const MI: usize, const NJ: usize>(x: &[f32], w: &[f16], k: usize, acc: &
             let (xc, wc) = (xr.chunks_exact(LANES), wr.chunks_exact(LANES));
             let (xt, wt) = (xc.remainder(), wc.remainder());
             for (p, q) in xc.zip(wc) {
-                q.convert_to_f32_slice(&mut wide);
+                W::widen(q, &mut wide);
                 for l in 0..LANES {
                     lanes[l] = p[l].mul_add(wide[l], lanes[l]);
                 }
@@ -298,6 +352,27 @@ mod tests {
         let got = lin.rows(&[3, 0, 19]).unwrap().to_vec2::<f32>().unwrap();
         for (r, &id) in got.iter().zip(&[3usize, 0, 19]) {
             assert_eq!(r.as_slice(), &w[id * 48..(id + 1) * 48]);
+        }
+    }
+
+    #[test]
+    fn f32_weights_run_the_own_kernel_and_rows_do_not_depend_on_their_batch() {
+        for (n, k) in [(64, 64), (96, 64), (70, 100)] {
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+            let t = QTensor::quantize(&Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+            let lin = Linear::new(Arc::new(t)).unwrap();
+            assert!(matches!(lin, Linear::Own(_)));
+            for m in [2, 5, 8, 9] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
+                let all = lin.forward_rows(&x, m).unwrap();
+                for i in 0..m {
+                    assert_eq!(lin.forward_rows(&x[i * k..(i + 1) * k], 1).unwrap(), all[i * n..(i + 1) * n], "({n}, {k}) m = {m}");
+                    for j in 0..n {
+                        let exact: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                        assert!((all[i * n + j] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
+                    }
+                }
+            }
         }
     }
 }
