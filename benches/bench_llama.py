@@ -76,17 +76,29 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(50000) for _ in range(rng.randint(2, 40))] for _ in range(count)]
 
 
+TIE = 1e-3  # log-probability gap under which two engines' greedy choices may legitimately differ
+
+
 @pytest.mark.parametrize("name", ["default", "random-small"])
 def test_greedy_tokens_identical(name):
     src, gguf = _files(name, "F16")
     engine, llm = tinyloop.Engine(src), _llama(gguf)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    same = 0
+    same, ties = 0, []
     for prompt in _prompts(20, seed=1):
         ours = engine.generate(prompt, params, loops=LOOPS).tokens
         theirs = _llama_greedy(llm, prompt, 16)
-        same += ours == theirs
-    assert same == 20, f"{same}/20 prompts identical"
+        if ours == theirs:
+            same += 1
+            continue
+        # The engines round differently (ggml multiplies F16 weights with activations rounded to f16), so a
+        # divergence is accepted only at a numerical tie: both first-differing tokens within TIE of each other
+        # in tinyloop's own log-probabilities.
+        i = next(j for j in range(16) if ours[j] != theirs[j])
+        lp = [engine.score(prompt + ours[:i] + [t], [LOOPS])[0][0][-1] for t in (ours[i], theirs[i])]
+        ties.append(lp[0] - lp[1])
+    assert all(0 <= gap < TIE for gap in ties), f"{same}/20 identical; log-prob gaps at divergences: {ties}"
+    assert same >= 18, f"{same}/20 prompts identical"
 
 
 # The seed shape in Q4_0 only: its F16 export would be a 3.2 GB file.

@@ -47,6 +47,7 @@ def test_default_model_is_what_the_server_loads():
     assert DEFAULT_MODEL == DEFAULT and DEFAULT.stat().st_size <= 32_000_000
     info = tinyloop.Engine(DEFAULT).info
     assert (info.vocab_size, info.default_loops) == (50257, 8)
+    assert info.draft_vocab_size == 4096  # drafts through the 4,096 most frequent training tokens (docs/speculative.md)
 
 
 @pytest.mark.parametrize("kv_cache_mode", ["fp16", "int8"])
