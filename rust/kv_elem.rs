@@ -30,10 +30,16 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// `out = Σ_i weights[i] · row(rows[i])` over stored rows of `w` elements, accumulated in `rows` order.
     fn weighted_sum(values: &[Self], meta: &[Self::Meta], w: usize, rows: impl Iterator<Item = usize> + Clone,
                     weights: &[f32], out: &mut [f32]) {
-        out.fill(0.0);
-        for (&p, t) in weights.iter().zip(rows) {
-            Self::axpy(&values[t * w..(t + 1) * w], meta[t], p, out);
-        }
+        axpy_rows(values, meta, w, rows, weights, out);
+    }
+}
+
+/// `weighted_sum` as `axpy` row after row (the default, and the f16 fallback for widths the wide path skips).
+fn axpy_rows<T: KvElem>(values: &[T], meta: &[T::Meta], w: usize, rows: impl Iterator<Item = usize>,
+                        weights: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    for (&p, t) in weights.iter().zip(rows) {
+        T::axpy(&values[t * w..(t + 1) * w], meta[t], p, out);
     }
 }
 
@@ -85,16 +91,12 @@ impl KvElem for f16 {
     /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
     /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
     #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    fn weighted_sum(values: &[Self], _: &[()], w: usize, rows: impl Iterator<Item = usize> + Clone,
+    fn weighted_sum(values: &[Self], meta: &[()], w: usize, rows: impl Iterator<Item = usize> + Clone,
                     weights: &[f32], out: &mut [f32]) {
         use std::arch::x86_64::*;
         const WIDE: usize = 4 * LANES;
         if !w.is_multiple_of(WIDE) || out.len() != w {
-            out.fill(0.0);
-            for (&p, t) in weights.iter().zip(rows) {
-                f16_axpy(&values[t * w..(t + 1) * w], p, out);
-            }
-            return;
+            return axpy_rows(values, meta, w, rows, weights, out);
         }
         for c in (0..w).step_by(WIDE) {
             // SAFETY: avx512f is enabled at compile time; each row t is values[t*w..(t+1)*w] (bounds-checked
