@@ -48,6 +48,35 @@ def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+class AuthAndCount:
+    """API-key check and per-route request counts as plain ASGI middleware. (Starlette's `@app.middleware("http")`
+    wraps `receive`, and under granian the client's disconnect then often never reaches a streaming response, so
+    an abandoned stream ran to its end.)"""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.api_key and path != "/health":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if header != f"Bearer {self.api_key}".encode():
+                self.metrics.requests.labels(path, "401").inc()
+                error = _error(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                        code="invalid_api_key"))
+                return await error(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
     metrics = Metrics()
     engine = runner = None
@@ -72,19 +101,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     app.state.tinyloop = state
     started = int(time.time())
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if cfg.api_key and path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {cfg.api_key}":
-                metrics.requests.labels(path, "401").inc()
-                return _error(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                       code="invalid_api_key"))
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthAndCount, api_key=cfg.api_key, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
