@@ -13,6 +13,7 @@ pub mod linear;
 pub mod kv_elem;
 pub mod loader;
 pub mod model;
+pub(crate) mod panels;
 #[cfg(vnni)]
 pub mod vnni;
 pub mod sampler;

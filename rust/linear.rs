@@ -1,27 +1,20 @@
 //! Linear layers. Quantized weights go through candle's `QMatMul` (its AVX-512 VNNI kernels where it has them).
 //! F16 (and F32) weights get a kernel of their own: candle would dequantize them to f32 at load (twice the memory, and twice
 //! the bytes a decode step streams — the 50,257-row head dominates a small model's step) and multiply through a
-//! general f32 GEMM tuned for large shapes. Here the weights stay f16 and every output is one dot product of an f32
-//! input row with an f16 weight row widened to f32 (exact), accumulated in 16 f32 lanes in a fixed order — so an
-//! output never depends on how many rows are multiplied at once (batched == solo, bit for bit), and results equal
-//! the f32 reference up to summation order. (candle's f32 GEMM does not keep that promise: from 5 rows on a row's
-//! result changes in its last bits, so F32 weights run here too.) Rows of the weight are split across the rayon pool in tiles, each used
-//! for every input row while it is in cache.
+//! general f32 GEMM tuned for large shapes. Here the weights stay f16, packed in panels of 64 rows (rust/panels.rs),
+//! and every output is one f32 lane that takes one fused multiply-add per input position, in order, with the f16
+//! weight widened exactly — so an output never depends on how many rows are multiplied at once (batched == solo,
+//! bit for bit), and results equal the f32 reference up to rounding. (candle's f32 GEMM does not keep that promise:
+//! from 5 rows on a row's result changes in its last bits, so F32 weights run here too.)
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 use std::sync::Arc;
 
 use crate::error::Result;
-
-/// Weight rows widened together (a tile of `TILE · k` f32 stays in L1/L2 while every input row uses it).
-const TILE: usize = 16;
-/// Below this many multiply-adds a matmul runs on the calling thread (a pool round trip costs more).
-const PARALLEL_MIN: usize = 1 << 18;
-const LANES: usize = 16;
+use crate::panels::{by_rows, panels, Block, PanelKernel, MR, PANEL};
 
 #[derive(Clone)]
 pub enum Linear {
@@ -115,6 +108,9 @@ fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
 
 /// A weight element tinyloop's dense kernel reads: f16 (widened in registers) or f32.
 pub trait Dense: Copy + Send + Sync + 'static {
+    const ZERO: Self;
+    /// Narrower than f32 (widening a panel once pays off when many rows use it).
+    const NARROW: bool;
     fn to_f32(self) -> f32;
     /// `dst = src` as f32 (equal lengths).
     fn widen(src: &[Self], dst: &mut [f32]);
@@ -127,6 +123,8 @@ pub trait Dense: Copy + Send + Sync + 'static {
 }
 
 impl Dense for f16 {
+    const ZERO: Self = f16::ZERO;
+    const NARROW: bool = true;
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
@@ -141,6 +139,8 @@ impl Dense for f16 {
 }
 
 impl Dense for f32 {
+    const ZERO: Self = 0.0;
+    const NARROW: bool = false;
     fn to_f32(self) -> f32 {
         self
     }
@@ -153,7 +153,8 @@ impl Dense for f32 {
     }
 }
 
-/// An `(n, k)` dense weight, row-major, kept in its stored type (F16 or F32).
+/// An `(n, k)` dense weight kept in its stored type (F16 or F32), packed in panels of 64 rows: row `r`'s element
+/// `c` is at `((r / 64) · k + c) · 64 + r % 64` (rows past `n` are zero).
 pub struct DenseMatrix<W: Dense> {
     w: Vec<W>,
     n: usize,
@@ -165,16 +166,62 @@ pub type F16Matrix = DenseMatrix<f16>;
 impl DenseMatrix<f16> {
     pub fn new(t: &QTensor) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
-        let w = t.dequantize_f16(&Device::Cpu)?.flatten_all()?.to_vec1::<f16>()?;
-        Ok(Self { w, n, k })
+        let rows = t.dequantize_f16(&Device::Cpu)?.flatten_all()?.to_vec1::<f16>()?;
+        Ok(Self::pack(&rows, n, k))
     }
 }
 
 impl DenseMatrix<f32> {
     pub fn new(t: &QTensor) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
-        let w = t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
-        Ok(Self { w, n, k })
+        let rows = t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Self::pack(&rows, n, k))
+    }
+}
+
+impl<W: Dense> DenseMatrix<W> {
+    fn pack(rows: &[W], n: usize, k: usize) -> Self {
+        let mut w = vec![W::ZERO; n.div_ceil(PANEL) * k * PANEL];
+        for (r, row) in rows.chunks_exact(k).enumerate() {
+            let (p, o) = (r / PANEL, r % PANEL);
+            for (c, &v) in row.iter().enumerate() {
+                w[(p * k + c) * PANEL + o] = v;
+            }
+        }
+        Self { w, n, k }
+    }
+
+    fn panel(&self, p: usize) -> &[W] {
+        &self.w[p * self.k * PANEL..(p + 1) * self.k * PANEL]
+    }
+}
+
+/// From this many input rows on, an f16 panel is widened to f32 once per matmul instead of at every row block.
+const WIDEN_MIN_ROWS: usize = 2 * MR;
+
+/// One matmul's view for `panels`: the weight and the input rows.
+struct DenseRun<'a, W: Dense> {
+    mat: &'a DenseMatrix<W>,
+    x: &'a [f32],
+}
+
+impl<W: Dense> PanelKernel for DenseRun<'_, W> {
+    type Scratch = Vec<f32>;
+
+    fn prepare(&self, p: usize, m: usize, widened: &mut Vec<f32>) {
+        if W::NARROW && m >= WIDEN_MIN_ROWS {
+            widened.resize(self.mat.k * PANEL, 0.0);
+            W::widen(self.mat.panel(p), widened);
+        }
+    }
+
+    fn block(&self, p: usize, widened: &Vec<f32>, i0: usize, rows: usize, out: &mut Block) {
+        let k = self.mat.k;
+        if widened.is_empty() {
+            by_rows!(rows, panel_dots::<W>(self.x, k, i0, self.mat.panel(p), out))
+        } else {
+            by_rows!(rows, panel_dots::<f32>(self.x, k, i0, widened, out))
+        }
     }
 }
 
@@ -188,130 +235,60 @@ impl<W: Dense> Kernel for DenseMatrix<W> {
     }
 
     fn row(&self, r: usize, out: &mut [f32]) {
-        W::widen(&self.w[r * self.k..(r + 1) * self.k], out);
+        let panel = self.panel(r / PANEL);
+        for (c, v) in out.iter_mut().enumerate() {
+            *v = panel[c * PANEL + r % PANEL].to_f32();
+        }
     }
 
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| {
-            let (xs, ws) = (&x[i * k..(i + mi) * k], &self.w[j * k..(j + nj) * k]);
-            match (mi, nj) {
-                (4, 4) => dots::<W, 4, 4>(xs, ws, k, acc),
-                (4, _) => dots::<W, 4, 1>(xs, ws, k, acc),
-                (_, 4) => dots::<W, 1, 4>(xs, ws, k, acc),
-                _ => dots::<W, 1, 1>(xs, ws, k, acc),
-            }
-        });
+        panels(&DenseRun { mat: self, x }, m, self.n, m * self.n * k, out);
     }
 }
 
-/// A block of outputs: `acc[a][b]` = input row `i + a` · weight row `j + b`, for `a < mi`, `b < nj` (each 4 or 1).
-pub(crate) type Block<'a> = dyn Fn(usize, usize, usize, usize, &mut [[f32; 4]; 4]) + Sync + 'a;
-
-/// The output buffer, shared by the tiles of one `tiled` call: each tile writes only its own columns.
-struct Columns(*mut f32);
-// SAFETY: tiles write disjoint columns of the buffer (see `tiled`), which outlives the parallel region.
-unsafe impl Sync for Columns {}
-
-impl Columns {
-    /// Copy `vals` to `out[row * n + col ..]`.
-    ///
-    /// # Safety
-    /// The range must lie inside the buffer and belong to the calling tile alone.
-    unsafe fn write(&self, at: usize, vals: &[f32]) {
-        std::ptr::copy_nonoverlapping(vals.as_ptr(), self.0.add(at), vals.len());
-    }
-}
-
-/// `out (m, n)`: weight rows in tiles of `TILE` (spread over the rayon pool when the product has at least
-/// `PARALLEL_MIN` multiply-adds), each tile in blocks of 4 × 4 outputs (1-wide at the edges) computed by `block`
-/// and written straight into its own columns of `out`.
-pub(crate) fn tiled(m: usize, n: usize, macs: usize, out: &mut [f32], block: &Block) {
-    assert_eq!(out.len(), m * n, "tiled output buffer size");
-    let cols = Columns(out.as_mut_ptr());
-    let run = |t: usize| {
-        let rows = t * TILE..((t + 1) * TILE).min(n);
-        let width = rows.len();
-        let mut i = 0;
-        while i < m {
-            let mi = if m - i >= 4 { 4 } else { 1 };
-            let mut j = 0;
-            while j < width {
-                let nj = if width - j >= 4 { 4 } else { 1 };
-                let mut acc = [[0f32; 4]; 4];
-                block(i, mi, rows.start + j, nj, &mut acc);
-                for (a, row) in acc.iter().take(mi).enumerate() {
-                    // SAFETY: i + a < m and rows.start + j + nj <= rows.end <= n, so the range is inside the
-                    // m · n buffer; only tile t writes columns `rows`.
-                    unsafe { cols.write((i + a) * n + rows.start + j, &row[..nj]) };
-                }
-                j += nj;
-            }
-            i += mi;
-        }
-    };
-    let tiles = n.div_ceil(TILE);
-    if macs >= PARALLEL_MIN {
-        (0..tiles).into_par_iter().for_each(run);
-    } else {
-        (0..tiles).for_each(run);
-    }
-}
-
-/// `acc[a][b] = Σ_c x[a][c] · w[b][c]` for an `MI × NJ` block (rows of length `k`), w widened to f32. Every
-/// output is computed the same way whatever the block shape — one 16-lane accumulator walking k in order, its
-/// lanes summed, then the tail — so an output never depends on its neighbours. The block shares loads: each x
-/// chunk feeds NJ products, each widened w chunk MI.
+/// `out[a][o] = Σ_c x[i0 + a][c] · w[c][o]` for `R` input rows and one panel `w (k, 64)`, each output one lane of
+/// an accumulator that starts at 0 and takes one fused multiply-add per input position, in order — the same
+/// arithmetic whatever `R`, the panel's neighbours or whether the panel was widened first.
 #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn dots<W: Dense, const MI: usize, const NJ: usize>(x: &[f32], w: &[W], k: usize, acc: &mut [[f32; 4]; 4]) {
+fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
     use std::arch::x86_64::*;
-    assert!(x.len() >= MI * k && w.len() >= NJ * k && MI <= 4 && NJ <= 4);
-    // SAFETY: avx512f is enabled at compile time (the cfg above); every load reads 16 elements below row end.
+    assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
+    // SAFETY: avx512f is enabled at compile time (the cfg above); the assert keeps every read inside x and w.
     unsafe {
-        let mut v = [[_mm512_setzero_ps(); NJ]; MI];
-        let mut c = 0;
-        while c + LANES <= k {
-            let mut wv = [_mm512_setzero_ps(); NJ];
-            for (b, wb) in wv.iter_mut().enumerate() {
-                *wb = W::load16(w.as_ptr().add(b * k + c));
-            }
-            for (a, va) in v.iter_mut().enumerate() {
-                let xa = _mm512_loadu_ps(x.as_ptr().add(a * k + c));
-                for (vab, wb) in va.iter_mut().zip(&wv) {
-                    *vab = _mm512_fmadd_ps(xa, *wb, *vab);
+        let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for c in 0..k {
+            let wc = wp.add(c * PANEL);
+            let wv = [W::load16(wc), W::load16(wc.add(16)), W::load16(wc.add(32)), W::load16(wc.add(48))];
+            for (a, acc_a) in acc.iter_mut().enumerate() {
+                let xa = _mm512_set1_ps(*xp.add(a * k + c));
+                for (v, wt) in acc_a.iter_mut().zip(&wv) {
+                    *v = _mm512_fmadd_ps(xa, *wt, *v);
                 }
             }
-            c += LANES;
         }
-        for a in 0..MI {
-            for b in 0..NJ {
-                let tail = (c..k).fold(0f32, |s, i| x[a * k + i].mul_add(w[b * k + i].to_f32(), s));
-                acc[a][b] = _mm512_reduce_add_ps(v[a][b]) + tail;
+        for (dst, acc_a) in out.iter_mut().zip(&acc) {
+            for (t, v) in acc_a.iter().enumerate() {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
             }
         }
     }
 }
 
-/// Portable version of the above (the compiler vectorizes the lanes).
+/// Portable version of the above, the same arithmetic (the compiler vectorizes the 64 lanes).
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn dots<W: Dense, const MI: usize, const NJ: usize>(x: &[f32], w: &[W], k: usize, acc: &mut [[f32; 4]; 4]) {
-    let mut wide = [0f32; LANES];
-    for a in 0..MI {
-        for b in 0..NJ {
-            let (xr, wr) = (&x[a * k..(a + 1) * k], &w[b * k..(b + 1) * k]);
-            let mut lanes = [0f32; LANES];
-            let (xc, wc) = (xr.chunks_exact(LANES), wr.chunks_exact(LANES));
-            let (xt, wt) = (xc.remainder(), wc.remainder());
-            for (p, q) in xc.zip(wc) {
-                W::widen(q, &mut wide);
-                for l in 0..LANES {
-                    lanes[l] = p[l].mul_add(wide[l], lanes[l]);
-                }
+fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+    for (a, dst) in out.iter_mut().take(R).enumerate() {
+        let xr = &x[(i0 + a) * k..(i0 + a + 1) * k];
+        let mut acc = [0f32; PANEL];
+        for (c, &xc) in xr.iter().enumerate() {
+            for (v, wv) in acc.iter_mut().zip(&w[c * PANEL..(c + 1) * PANEL]) {
+                *v = xc.mul_add(wv.to_f32(), *v);
             }
-            let tail = xt.iter().zip(wt).fold(0f32, |s, (p, q)| p.mul_add(q.to_f32(), s));
-            acc[a][b] = lanes.iter().sum::<f32>() + tail;
         }
+        *dst = acc;
     }
 }
 
@@ -328,7 +305,8 @@ mod tests {
 
     #[test]
     fn f16_matmul_matches_f64_and_is_independent_of_the_row_count() {
-        for &(n, k, m) in &[(33, 40, 3), (50, 256, 5), (1030, 704, 9)] {
+        // m = 14: row blocks of 6, 6 and 2 over panels widened once (from 12 rows on); m = 1 reads the f16 panel.
+        for &(n, k, m) in &[(33, 40, 3), (50, 256, 5), (1030, 704, 9), (130, 96, 14)] {
             let (w, q) = weight(n, k);
             let lin = Linear::new(Arc::new(q)).unwrap();
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();

@@ -4,16 +4,15 @@
 //! prefill. This is tinyloop's own:
 //!
 //! - inputs are quantized per 32-value block exactly as ggml's x86 code does (`d = amax / 127` stored as f16,
-//!   `x / d` rounded to nearest, ties to even),
-//!   so the arithmetic is the one llama.cpp runs on the same weights;
-//! - weights are repacked at load into unsigned codes (Q4_0: nibbles, 16 bytes per block; Q8_0: the byte + 128,
-//!   interleaved like the expanded nibbles) and f32 block scales, two blocks per step;
-//! - one `vpdpbusd` multiplies 64 unsigned codes by 64 signed input bytes; the code offset (8 or 128) is folded into
-//!   the accumulator's start (−offset · Σx per lane group, precomputed per input row), so the lanes hold exact integer
-//!   sums; each output then keeps one 16-lane f32 accumulator that walks the blocks in order, and is reduced at the
-//!   end. An output never depends on how many rows are multiplied together, or which: batched == solo, bit for bit.
-//! - a 4 × 4 block of (input row, weight row) outputs shares every load; `linear::tiled` spreads tiles of 16
-//!   weight rows over the rayon pool.
+//!   `x / d` rounded to nearest, ties to even), so the arithmetic is the one llama.cpp runs on the same weights;
+//! - weights are repacked at load into panels of 64 rows (rust/panels.rs): for each block, each group of 4 input
+//!   positions holds the 64 rows' 4 codes side by side — one 64-byte vector per 16 rows — with the rows' f32
+//!   scales next to them;
+//! - `vpdpbusd` multiplies 16 rows' 4 codes by 4 input bytes broadcast to every lane, so each lane collects one
+//!   output's exact integer block sum (Q4_0: unsigned nibbles × signed inputs, less 8 · Σx; Q8_0: inputs + 128 ×
+//!   signed codes, less 128 · Σw, precomputed per row and block); the block sum then takes one fused multiply-add
+//!   with `d_x · d_w` into the output's f32 lane. No horizontal sums; an output never depends on how many rows are
+//!   multiplied together, or which: batched == solo, bit for bit.
 
 use std::arch::x86_64::*;
 
@@ -21,55 +20,53 @@ use candle_core::quantized::QTensor;
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::linear::{tiled, Kernel};
+use crate::linear::Kernel;
+use crate::panels::{panels, Block, PanelKernel, PANEL};
 
 const QK: usize = 32;
+/// Input rows one pass over a panel's blocks serves (their integer and float accumulators fill the registers).
+const ROWS: usize = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codes {
-    /// Q4_0: value j of a block in the low nibble of byte j, value j + 16 in its high nibble; offset 8.
+    /// Q4_0: ggml's 16 bytes per block (value j in the low nibble of byte j, value j + 16 in its high nibble),
+    /// taken as unsigned 0..15 (offset 8).
     Nibbles,
-    /// Q8_0: one byte per value, + 128; a pair of blocks stored as `w_b[0..16], w_b+1[0..16], w_b[16..32],
-    /// w_b+1[16..32]`, the order the nibbles expand to.
+    /// Q8_0: one signed byte per value.
     Bytes,
 }
 
 impl Codes {
+    /// Bytes of one row's block.
     fn block_bytes(self) -> usize {
         match self {
             Self::Nibbles => 16,
             Self::Bytes => 32,
         }
     }
-
-    fn offset(self) -> i32 {
-        match self {
-            Self::Nibbles => 8,
-            Self::Bytes => 128,
-        }
-    }
 }
 
-/// An `(n, k)` Q4_0 or Q8_0 weight, repacked: row r's block b has its codes at
-/// `qs[(r·nb + b)·block_bytes..]` and its scale at `d[r·nb + b]`. `nb` is rounded up to even; a padding block has
-/// scale 0.
+/// An `(n, k)` Q4_0 or Q8_0 weight in panels of 64 rows. Block `b` of panel `p` (`pb = p · nb + b`) holds its
+/// codes at `qs[pb · 64 · block_bytes..]` as groups of 256 bytes, each the 64 rows' 4 bytes of one byte
+/// position group (`g · 256 + row · 4 + j` is the row's block byte `4g + j`); the rows' scales at `d[pb · 64..]`;
+/// for Q8_0 the rows' `−128 · Σ codes` at `start[pb · 64..]`. Rows past `n` have scale 0.
 pub struct QMatrix {
     codes: Codes,
     qs: Vec<u8>,
     d: Vec<f32>,
+    start: Vec<i32>,
     n: usize,
     k: usize,
     nb: usize,
 }
 
-/// Input rows quantized to Q8_0 and laid out to match: for each pair of blocks (b, b + 1), 64 bytes
-/// `x_b[0..16], x_{b+1}[0..16], x_b[16..32], x_{b+1}[16..32]`; its 16-lane scale vector (d_b in lanes 0–3 and 8–11,
-/// d_{b+1} in 4–7 and 12–15); and the lanes' starting value −offset · Σ of the 4 bytes each lane multiplies.
+/// Input rows quantized to Q8_0: row `i`'s block `b` (`ib = i · nb + b`) at `qs[ib · 32..]` (+ 128 for Q8_0
+/// weights, which take the inputs as the unsigned operand), its scale `d[ib]` and, for Q4_0 weights, `−8 · Σ q` at
+/// `start[ib]`.
 struct Q8Rows {
-    qs: Vec<i8>,
-    scale: Vec<f32>,
+    qs: Vec<u8>,
+    d: Vec<f32>,
     start: Vec<i32>,
-    pairs: usize,
 }
 
 impl QMatrix {
@@ -79,78 +76,127 @@ impl QMatrix {
             return Err(Error::Internal(format!("block-quantized weight width {k} is not a multiple of {QK}")));
         }
         let raw = t.data()?;
-        let (blocks, bb) = (k / QK, codes.block_bytes());
+        let (nb, bb) = (k / QK, codes.block_bytes());
         let stride = 2 + bb; // ggml block: f16 scale, then the codes
-        if raw.len() != n * blocks * stride {
+        if raw.len() != n * nb * stride {
             return Err(Error::Internal(format!("quantized weight of {} bytes for shape ({n}, {k})", raw.len())));
         }
-        let nb = blocks.div_ceil(2) * 2;
-        let mut qs = vec![0u8; n * nb * bb];
-        if codes == Codes::Bytes {
-            qs.fill(128); // padding blocks: code 128 is value 0
-        }
-        let mut d = vec![0f32; n * nb];
+        let blocks = n.div_ceil(PANEL) * nb;
+        let pad = if codes == Codes::Nibbles { 0x88 } else { 0 }; // value 0 either way
+        let mut qs = vec![pad; blocks * PANEL * bb];
+        let mut d = vec![0f32; blocks * PANEL];
+        let mut start = vec![0i32; if codes == Codes::Bytes { blocks * PANEL } else { 0 }];
         for r in 0..n {
-            for b in 0..blocks {
-                let src = &raw[(r * blocks + b) * stride..(r * blocks + b + 1) * stride];
-                d[r * nb + b] = f16::from_le_bytes([src[0], src[1]]).to_f32();
-                match codes {
-                    Codes::Nibbles => qs[(r * nb + b) * bb..(r * nb + b + 1) * bb].copy_from_slice(&src[2..]),
-                    Codes::Bytes => {
-                        // Within the pair (b & !1, b | 1): this block's halves go to 16·(b % 2) and 32 + 16·(b % 2).
-                        let pair = &mut qs[(r * nb + (b & !1)) * bb..(r * nb + (b & !1) + 2) * bb];
-                        let h = 16 * (b % 2);
-                        for j in 0..16 {
-                            pair[h + j] = (src[2 + j] as i8 as i32 + 128) as u8;
-                            pair[32 + h + j] = (src[2 + 16 + j] as i8 as i32 + 128) as u8;
+            let (p, o) = (r / PANEL, r % PANEL);
+            for b in 0..nb {
+                let src = &raw[(r * nb + b) * stride..(r * nb + b + 1) * stride];
+                let pb = p * nb + b;
+                d[pb * PANEL + o] = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                for (t, &byte) in src[2..].iter().enumerate() {
+                    qs[pb * PANEL * bb + (t / 4) * 4 * PANEL + o * 4 + t % 4] = byte;
+                }
+                if codes == Codes::Bytes {
+                    start[pb * PANEL + o] = -128 * src[2..].iter().map(|&v| v as i8 as i32).sum::<i32>();
+                }
+            }
+        }
+        Ok(Self { codes, qs, d, start, n, k, nb })
+    }
+
+    /// Block byte `t` of row `r`'s block `b`.
+    fn byte(&self, r: usize, b: usize, t: usize) -> u8 {
+        let (pb, o, bb) = ((r / PANEL) * self.nb + b, r % PANEL, self.codes.block_bytes());
+        self.qs[pb * PANEL * bb + (t / 4) * 4 * PANEL + o * 4 + t % 4]
+    }
+
+    /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn panel_dots<const R: usize>(&self, xq: &Q8Rows, p: usize, i0: usize, out: &mut [[f32; PANEL]]) {
+        let (nb, bb) = (self.nb, self.codes.block_bytes());
+        assert!(xq.d.len() >= (i0 + R) * nb && self.d.len() >= (p + 1) * nb * PANEL && out.len() >= R);
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for b in 0..nb {
+            let pb = p * nb + b;
+            let w = self.qs.as_ptr().add(pb * PANEL * bb);
+            let x = |a: usize, t: usize| {
+                let at = xq.qs.as_ptr().add(((i0 + a) * nb + b) * QK + t);
+                _mm512_set1_epi32((at as *const i32).read_unaligned())
+            };
+            let mut sums = [[_mm512_setzero_si512(); 4]; R];
+            match self.codes {
+                Codes::Bytes => {
+                    for (t, s) in (0..4).map(|t| _mm512_loadu_si512(self.start.as_ptr().add(pb * PANEL + 16 * t) as *const __m512i)).enumerate() {
+                        for sa in sums.iter_mut() {
+                            sa[t] = s;
+                        }
+                    }
+                    for g in 0..8 {
+                        let xs: [__m512i; R] = std::array::from_fn(|a| x(a, 4 * g));
+                        for t in 0..4 {
+                            let wv = _mm512_loadu_si512(w.add(g * 4 * PANEL + 64 * t) as *const __m512i);
+                            for (sa, xa) in sums.iter_mut().zip(&xs) {
+                                sa[t] = _mm512_dpbusd_epi32(sa[t], *xa, wv);
+                            }
+                        }
+                    }
+                }
+                Codes::Nibbles => {
+                    for (a, sa) in sums.iter_mut().enumerate() {
+                        *sa = [_mm512_set1_epi32(xq.start[(i0 + a) * nb + b]); 4];
+                    }
+                    for g in 0..4 {
+                        let (xl, xh): ([__m512i; R], [__m512i; R]) =
+                            (std::array::from_fn(|a| x(a, 4 * g)), std::array::from_fn(|a| x(a, 16 + 4 * g)));
+                        for t in 0..4 {
+                            let raw = _mm512_loadu_si512(w.add(g * 4 * PANEL + 64 * t) as *const __m512i);
+                            let lo = _mm512_and_si512(raw, low);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+                            for (a, sa) in sums.iter_mut().enumerate() {
+                                sa[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sa[t], lo, xl[a]), hi, xh[a]);
+                            }
                         }
                     }
                 }
             }
-        }
-        Ok(Self { codes, qs, d, n, k, nb })
-    }
-
-    /// Outputs (x rows `i0..i0+MI`) × (weight rows `w0..w0+NJ`).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn dots<const MI: usize, const NJ: usize>(&self, xq: &Q8Rows, i0: usize, w0: usize, acc: &mut [[f32; 4]; 4]) {
-        let nb = self.nb;
-        let low = _mm256_set1_epi8(0x0F);
-        // Lane l takes block (l / 4) % 2 of the pair: index 0 for lanes 0–3 and 8–11, 1 for 4–7 and 12–15.
-        let pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-        let mut v = [[_mm512_setzero_ps(); NJ]; MI];
-        for p in 0..nb / 2 {
-            let mut wq = [_mm512_setzero_si512(); NJ];
-            let mut wd = [_mm512_setzero_ps(); NJ];
-            for b in 0..NJ {
-                let r = w0 + b;
-                wq[b] = match self.codes {
-                    Codes::Nibbles => {
-                        let raw = _mm256_loadu_si256(self.qs.as_ptr().add((r * nb + 2 * p) * 16) as *const __m256i);
-                        let lo = _mm256_and_si256(raw, low);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low);
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                    }
-                    Codes::Bytes => _mm512_loadu_si512(self.qs.as_ptr().add((r * nb + 2 * p) * 32) as *const __m512i),
-                };
-                let two = _mm_castpd_ps(_mm_load_sd(self.d.as_ptr().add(r * nb + 2 * p) as *const f64));
-                wd[b] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
-            }
-            for (a, va) in v.iter_mut().enumerate() {
-                let row = (i0 + a) * xq.pairs + p;
-                let xv = _mm512_loadu_si512(xq.qs.as_ptr().add(row * 64) as *const __m512i);
-                let xs = _mm512_loadu_ps(xq.scale.as_ptr().add(row * 16));
-                let start = _mm512_loadu_si512(xq.start.as_ptr().add(row * 16) as *const __m512i);
-                for (vab, (q, d)) in va.iter_mut().zip(wq.iter().zip(&wd)) {
-                    let dot = _mm512_dpbusd_epi32(start, *q, xv);
-                    *vab = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(*d, xs), *vab);
+            for (a, (acc_a, sa)) in acc.iter_mut().zip(&sums).enumerate() {
+                let dx = _mm512_set1_ps(xq.d[(i0 + a) * nb + b]);
+                for t in 0..4 {
+                    let dw = _mm512_loadu_ps(self.d.as_ptr().add(pb * PANEL + 16 * t));
+                    acc_a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa[t]), _mm512_mul_ps(dw, dx), acc_a[t]);
                 }
             }
         }
-        for a in 0..MI {
-            for b in 0..NJ {
-                acc[a][b] = _mm512_reduce_add_ps(v[a][b]);
+        for (dst, acc_a) in out.iter_mut().zip(&acc) {
+            for (t, v) in acc_a.iter().enumerate() {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
             }
+        }
+    }
+}
+
+/// One matmul's view for `panels`: the weight and the quantized input rows.
+struct QRun<'a> {
+    mat: &'a QMatrix,
+    xq: Q8Rows,
+}
+
+impl PanelKernel for QRun<'_> {
+    type Scratch = ();
+
+    fn block(&self, p: usize, _: &(), i0: usize, rows: usize, out: &mut Block) {
+        let mut done = 0;
+        while done < rows {
+            let (i, dst) = (i0 + done, &mut out[done..]);
+            // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `panels` keeps i0 + rows within m.
+            unsafe {
+                match rows - done {
+                    1 => self.mat.panel_dots::<1>(&self.xq, p, i, dst),
+                    2 => self.mat.panel_dots::<2>(&self.xq, p, i, dst),
+                    _ => self.mat.panel_dots::<ROWS>(&self.xq, p, i, dst),
+                }
+            }
+            done += ROWS.min(rows - done);
         }
     }
 }
@@ -166,23 +212,16 @@ impl Kernel for QMatrix {
 
     /// Weight row `r` dequantized (an embedding lookup).
     fn row(&self, r: usize, out: &mut [f32]) {
-        let bb = self.codes.block_bytes();
+        let pb = (r / PANEL) * self.nb;
         for (b, chunk) in out.chunks_exact_mut(QK).enumerate() {
-            let d = self.d[r * self.nb + b];
-            let (lo, hi): ([i32; 16], [i32; 16]) = match self.codes {
-                Codes::Nibbles => {
-                    let q = &self.qs[(r * self.nb + b) * bb..][..16];
-                    (std::array::from_fn(|j| (q[j] & 0x0F) as i32 - 8), std::array::from_fn(|j| (q[j] >> 4) as i32 - 8))
-                }
-                Codes::Bytes => {
-                    let pair = &self.qs[(r * self.nb + (b & !1)) * bb..][..2 * bb];
-                    let h = 16 * (b % 2);
-                    (std::array::from_fn(|j| pair[h + j] as i32 - 128), std::array::from_fn(|j| pair[32 + h + j] as i32 - 128))
-                }
-            };
-            for j in 0..16 {
-                chunk[j] = lo[j] as f32 * d;
-                chunk[j + 16] = hi[j] as f32 * d;
+            let d = self.d[(pb + b) * PANEL + r % PANEL];
+            for (c, v) in chunk.iter_mut().enumerate() {
+                let q = match self.codes {
+                    Codes::Nibbles if c < 16 => (self.byte(r, b, c) & 0x0F) as i32 - 8,
+                    Codes::Nibbles => (self.byte(r, b, c - 16) >> 4) as i32 - 8,
+                    Codes::Bytes => self.byte(r, b, c) as i8 as i32,
+                };
+                *v = q as f32 * d;
             }
         }
     }
@@ -191,16 +230,8 @@ impl Kernel for QMatrix {
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        let xq = Q8Rows::quantize(x, m, k, self.nb, self.codes.offset());
-        // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `tiled` keeps blocks within the rows.
-        tiled(m, self.n, m * self.n * k, out, &|i, mi, j, nj, acc| unsafe {
-            match (mi, nj) {
-                (4, 4) => self.dots::<4, 4>(&xq, i, j, acc),
-                (4, _) => self.dots::<4, 1>(&xq, i, j, acc),
-                (_, 4) => self.dots::<1, 4>(&xq, i, j, acc),
-                _ => self.dots::<1, 1>(&xq, i, j, acc),
-            }
-        });
+        let xq = Q8Rows::quantize(x, m, k, self.codes);
+        panels(&QRun { mat: self, xq }, m, self.n, m * self.n * k, out);
     }
 }
 
@@ -222,28 +253,27 @@ fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
 }
 
 impl Q8Rows {
-    fn quantize(x: &[f32], m: usize, k: usize, nb: usize, offset: i32) -> Self {
-        let pairs = nb / 2;
-        let mut qs = vec![0i8; m * pairs * 64];
-        let mut scale = vec![0f32; m * pairs * 16];
-        let mut start = vec![0i32; m * pairs * 16];
+    fn quantize(x: &[f32], m: usize, k: usize, codes: Codes) -> Self {
+        let nb = k / QK;
+        let mut qs = vec![0u8; m * nb * QK];
+        let mut d = vec![0f32; m * nb];
+        let mut start = vec![0i32; if codes == Codes::Nibbles { m * nb } else { 0 }];
         let mut q = [0i8; QK];
         for i in 0..m {
-            for b in 0..k / QK {
-                let d = quantize_block(&x[i * k + b * QK..i * k + (b + 1) * QK], &mut q);
-                let (row, half) = (i * pairs + b / 2, b % 2);
-                // Halves of block b go to bytes 16·half..+16 (values 0..16) and 32 + 16·half..+16 (16..32).
-                qs[row * 64 + 16 * half..][..16].copy_from_slice(&q[..16]);
-                qs[row * 64 + 32 + 16 * half..][..16].copy_from_slice(&q[16..]);
-                let dq = f16::from_f32(d).to_f32();
-                for lane in [0, 1, 2, 3, 8, 9, 10, 11].map(|l| l + 4 * half) {
-                    scale[row * 16 + lane] = dq;
-                    let bytes = &qs[row * 64 + 4 * lane..][..4];
-                    start[row * 16 + lane] = -offset * bytes.iter().map(|&v| v as i32).sum::<i32>();
+            for b in 0..nb {
+                let ib = i * nb + b;
+                d[ib] = f16::from_f32(quantize_block(&x[ib * QK..(ib + 1) * QK], &mut q)).to_f32();
+                let dst = &mut qs[ib * QK..(ib + 1) * QK];
+                match codes {
+                    Codes::Bytes => dst.iter_mut().zip(&q).for_each(|(o, &v)| *o = (v as i32 + 128) as u8),
+                    Codes::Nibbles => {
+                        dst.iter_mut().zip(&q).for_each(|(o, &v)| *o = v as u8);
+                        start[ib] = -8 * q.iter().map(|&v| v as i32).sum::<i32>();
+                    }
                 }
             }
         }
-        Self { qs, scale, start, pairs }
+        Self { qs, d, start }
     }
 }
 
@@ -255,7 +285,7 @@ mod tests {
 
     #[test]
     fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
-        let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9)];
+        let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14)];
         for (&(n, k, m), (dtype, codes)) in shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))]) {
             let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
             let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
