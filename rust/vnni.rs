@@ -111,7 +111,9 @@ impl QMatrix {
 
     /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn panel_dots<const R: usize>(&self, xq: &Q8Rows, p: usize, i0: usize, out: &mut [[f32; PANEL]]) {
+    /// `unpacked`: Q4_0 only, the panel's codes as one byte each (`unpack`), or empty to expand the nibbles here.
+    unsafe fn panel_dots<const R: usize>(&self, xq: &Q8Rows, p: usize, i0: usize, unpacked: &[u8],
+                                         out: &mut [[f32; PANEL]]) {
         let (nb, bb) = (self.nb, self.codes.block_bytes());
         assert!(xq.d.len() >= (i0 + R) * nb && self.d.len() >= (p + 1) * nb * PANEL && out.len() >= R);
         let low = _mm512_set1_epi8(0x0F);
@@ -137,6 +139,21 @@ impl QMatrix {
                             let wv = _mm512_loadu_si512(w.add(g * 4 * PANEL + 64 * t) as *const __m512i);
                             for (sa, xa) in sums.iter_mut().zip(&xs) {
                                 sa[t] = _mm512_dpbusd_epi32(sa[t], *xa, wv);
+                            }
+                        }
+                    }
+                }
+                Codes::Nibbles if !unpacked.is_empty() => {
+                    for (a, sa) in sums.iter_mut().enumerate() {
+                        *sa = [_mm512_set1_epi32(xq.start[(i0 + a) * nb + b]); 4];
+                    }
+                    let u = unpacked[b * 8 * 4 * PANEL..(b + 1) * 8 * 4 * PANEL].as_ptr();
+                    for g in 0..8 {
+                        let xs: [__m512i; R] = std::array::from_fn(|a| x(a, 4 * g));
+                        for t in 0..4 {
+                            let wv = _mm512_loadu_si512(u.add(g * 4 * PANEL + 64 * t) as *const __m512i);
+                            for (sa, xa) in sums.iter_mut().zip(&xs) {
+                                sa[t] = _mm512_dpbusd_epi32(sa[t], wv, *xa);
                             }
                         }
                     }
@@ -181,19 +198,48 @@ struct QRun<'a> {
     xq: Q8Rows,
 }
 
-impl PanelKernel for QRun<'_> {
-    type Scratch = ();
+/// From this many input rows on, a Q4_0 panel's nibbles are expanded to bytes once per matmul instead of at every
+/// pass of up to `ROWS` rows (a 512-row prefill would otherwise expand each code 171 times) — while the expanded
+/// panel fits in L1 (48 KiB: inputs up to 768 wide). Wider panels stream from L2, where reading twice the bytes
+/// cost more than the expansion saved (the seed shape's 2,048-wide panels prefilled 15% slower that way).
+const UNPACK_MIN_ROWS: usize = 4 * ROWS;
+const UNPACK_MAX_BYTES: usize = 48 << 10;
 
-    fn block(&self, p: usize, _: &(), i0: usize, rows: usize, out: &mut Block) {
+impl QMatrix {
+    /// Panel `p`'s Q4_0 codes, one byte (0..15) each: block `b`, values `4g..4g + 4` of the 64 rows at
+    /// `(b · 8 + g) · 256 + row · 4` — the byte layout of the Q8_0 panels.
+    fn unpack(&self, p: usize, out: &mut Vec<u8>) {
+        let nb = self.nb;
+        out.resize(nb * 8 * 4 * PANEL, 0);
+        let packed = &self.qs[p * nb * 4 * 4 * PANEL..(p + 1) * nb * 4 * 4 * PANEL];
+        for (src, dst) in packed.chunks_exact(4 * 4 * PANEL).zip(out.chunks_exact_mut(8 * 4 * PANEL)) {
+            let (low, high) = dst.split_at_mut(4 * 4 * PANEL);
+            for ((&v, l), h) in src.iter().zip(low.iter_mut()).zip(high.iter_mut()) {
+                (*l, *h) = (v & 0x0F, v >> 4);
+            }
+        }
+    }
+}
+
+impl PanelKernel for QRun<'_> {
+    type Scratch = Vec<u8>;
+
+    fn prepare(&self, p: usize, m: usize, unpacked: &mut Vec<u8>) {
+        if self.mat.codes == Codes::Nibbles && m >= UNPACK_MIN_ROWS && self.mat.nb * 8 * 4 * PANEL <= UNPACK_MAX_BYTES {
+            self.mat.unpack(p, unpacked);
+        }
+    }
+
+    fn block(&self, p: usize, unpacked: &Vec<u8>, i0: usize, rows: usize, out: &mut Block) {
         let mut done = 0;
         while done < rows {
             let (i, dst) = (i0 + done, &mut out[done..]);
             // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `panels` keeps i0 + rows within m.
             unsafe {
                 match rows - done {
-                    1 => self.mat.panel_dots::<1>(&self.xq, p, i, dst),
-                    2 => self.mat.panel_dots::<2>(&self.xq, p, i, dst),
-                    _ => self.mat.panel_dots::<ROWS>(&self.xq, p, i, dst),
+                    1 => self.mat.panel_dots::<1>(&self.xq, p, i, unpacked, dst),
+                    2 => self.mat.panel_dots::<2>(&self.xq, p, i, unpacked, dst),
+                    _ => self.mat.panel_dots::<ROWS>(&self.xq, p, i, unpacked, dst),
                 }
             }
             done += ROWS.min(rows - done);
@@ -285,7 +331,8 @@ mod tests {
 
     #[test]
     fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
-        let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14)];
+        // m = 14 and 20 run Q4_0 over codes expanded once per matmul (from 12 rows on); the rest expand per pass.
+        let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14), (65, 96, 20)];
         for (&(n, k, m), (dtype, codes)) in shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))]) {
             let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
             let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
