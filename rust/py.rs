@@ -423,9 +423,17 @@ impl Engine {
     }
 }
 
+/// Threads the engine's matmuls and attention run on: rayon's global pool, sized from `RAYON_NUM_THREADS` when the
+/// module first uses it (else one per core). Candle reads the same variable.
+#[pyfunction]
+fn num_threads() -> usize {
+    rayon::current_num_threads()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;

@@ -75,3 +75,26 @@ def test_cache_window_is_served(tiny):
         assert lm["choices"][0]["text"] == engine.decode(windowed[: lm["usage"]["completion_tokens"]])
         bad = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "cache_window": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_window"
+
+
+def test_threads_flag_sets_the_engine_threads_and_not_the_tokens(tiny, tiny_engine):
+    from tinyloop import SamplingParams
+
+    want = tiny_engine.generate("Threads", SamplingParams(temperature=0.0, max_tokens=12), loops=4).text
+    for threads in ("1", "3"):
+        with running_server(tiny.path, "--threads", threads) as base:
+            assert httpx.get(f"{base}/metrics/json").json()["tinyloop_threads"] == int(threads)
+            body = {"prompt": "Threads", "max_tokens": 12, "temperature": 0, "loops": 4}
+            assert httpx.post(f"{base}/generate", json=body, timeout=60).json()["text"] == want
+
+
+@pytest.mark.parametrize("args,env", [(["--threads", "0"], {}), (["--threads", "two"], {}),
+                                      ([], {"TINYLOOP_THREADS": "-1"})])
+def test_bad_thread_counts_are_usage_errors(args, env, monkeypatch, capsys):
+    from tinyloop.server.cli import parse
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        parse(args)
+    assert e.value.code == 2 and "threads" in capsys.readouterr().err.lower()

@@ -6,6 +6,9 @@ from os import PathLike
 __version__: str
 __commit__: str
 
+def num_threads() -> int:
+    """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
+
 class TinyloopError(Exception): ...
 class ModelLoadError(TinyloopError): ...
 class TokenizerError(TinyloopError): ...

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .._core import Engine, EngineError, TinyloopError
+from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
 from . import serving
 from .config import ServerConfig
@@ -85,6 +85,7 @@ def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
         try:
             engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
             runner = EngineRunner(engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting)
+            metrics.threads.set(num_threads())
         except TinyloopError as e:
             error = str(e)
     if error:

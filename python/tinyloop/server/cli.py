@@ -22,6 +22,7 @@ ENV_HELP = """environment variables:
   TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
                               KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
                               none -> fp16; H_MODE without INT4, or INT4 with INT8, is a load error
+  TINYLOOP_THREADS            compute threads (default: one per core); sets RAYON_NUM_THREADS for the engine
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
 """
 
@@ -37,8 +38,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="else TINYLOOP_API_KEY; unset means no authentication")
     p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
     p.add_argument("--max-waiting", type=int, default=None, help="else TINYLOOP_MAX_WAITING, else 256")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="compute threads, else TINYLOOP_THREADS, else one per core; fewer than the cores keeps decode "
+                        "steady when other processes compete for them")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.threads is None and os.environ.get("TINYLOOP_THREADS"):
+        try:
+            args.threads = _positive(os.environ["TINYLOOP_THREADS"])
+        except argparse.ArgumentTypeError as e:
+            p.error(f"TINYLOOP_THREADS: {e}")
+    return args
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads >= 1, got {text!r}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("TINYLOOP_MAX_RUNNING", args.max_running), ("TINYLOOP_MAX_WAITING", args.max_waiting)]:
         if value is not None:
             os.environ[env] = str(value)
+    if args.threads is not None:
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read by rayon and candle when the worker first computes
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = os.environ.get("TINYLOOP_MODEL_PATH") or str(DEFAULT_MODEL)
     logging.getLogger("tinyloop.server").info("serving %s on http://%s:%d/v1", model, args.host, args.port)

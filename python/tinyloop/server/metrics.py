@@ -25,6 +25,7 @@ class Metrics:
                                       registry=r)
         self.draft_accepted = Counter("tinyloop_draft_tokens_accepted", "Draft tokens accepted, by mode", ["mode"],
                                       registry=r)
+        self.threads = Gauge("tinyloop_threads", "Compute threads of the engine", registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
 
     def prometheus(self) -> bytes:
