@@ -175,7 +175,7 @@ fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
         let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
         for chunk in s.chunks_mut(LANES) {
             let mask: __mmask16 = if chunk.len() == LANES { !0 } else { (1u16 << chunk.len()) - 1 };
-            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
+            let e = crate::simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
             _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
             acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
         }
@@ -191,29 +191,6 @@ fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
         sum += *v;
     }
     sum
-}
-
-/// `eˣ` in 16 lanes for x ≤ 0 (softmax arguments; −∞ gives 0): x = n·ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 split in
-/// two for an exact product), a degree-6 polynomial for eʳ (Cephes' `expf` coefficients) and 2ⁿ applied by
-/// `vscalefps`, which also produces the subnormals and zero below 2⁻¹²⁶.
-///
-/// # Safety
-/// The CPU must have AVX-512 F (the callers' cfg).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-#[inline]
-unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0)); // e^-104 is below the smallest subnormal
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-    _mm512_scalef_ps(p, n)
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
@@ -405,24 +382,6 @@ mod tests {
             let q = row(w, 11);
             let exact: f64 = vals[..w].iter().zip(&q).map(|(a, b)| a.to_f64() * *b as f64).sum();
             assert!((f16::dot(&vals[..w], (), &q, 0.0) as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
-        }
-    }
-
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    #[test]
-    fn exp16_is_within_two_ulp_of_f64() {
-        use std::arch::x86_64::*;
-        let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 5.2e-4).collect(); // 0 down to -104
-        xs.extend([0.0, -0.0, -1e-30, -87.3, -103.0, -150.0, f32::NEG_INFINITY, f32::MIN]);
-        for chunk in xs.chunks_exact(16) {
-            let mut got = [0f32; 16];
-            // SAFETY: the cfg above; 16 values in, 16 out.
-            unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp16(_mm512_loadu_ps(chunk.as_ptr()))) };
-            for (&x, &g) in chunk.iter().zip(&got) {
-                let want = (x as f64).exp();
-                let ulp = (want as f32).abs().max(f32::MIN_POSITIVE) as f64 * f32::EPSILON as f64;
-                assert!((g as f64 - want).abs() <= 2.0 * ulp + 1e-45, "exp({x}) = {g}, want {want}");
-            }
         }
     }
 

@@ -17,6 +17,7 @@ pub(crate) mod panels;
 #[cfg(vnni)]
 pub mod vnni;
 pub mod sampler;
+pub mod simd;
 pub mod spec;
 pub mod tokenizer;
 pub mod tree;

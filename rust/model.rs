@@ -352,7 +352,7 @@ impl Model {
         let h = rms_norm(&xs, &l.ffn_norm, eps);
         let mut m = l.gate.forward_rows(&h, n)?;
         let up = l.up.forward_rows(&h, n)?;
-        m.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u); // silu(gate) · up
+        crate::simd::silu_mul(&mut m, &up);
         add_assign(&mut xs, &l.down.forward_rows(&m, n)?);
         Ok(Tensor::from_vec(xs, (n, dim), &Device::Cpu)?)
     }

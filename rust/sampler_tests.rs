@@ -37,6 +37,21 @@ fn temperature_zero_is_argmax_with_lowest_id_on_ties() {
 }
 
 #[test]
+fn argmax_takes_the_first_of_equal_maxima_across_lanes_and_tail_and_skips_nan() {
+    let mut l = vec![0.5f32; 50];
+    l[0] = f32::NAN;
+    assert_eq!(argmax(&l), 1); // every finite value equal: the first one
+    l[40] = 2.0;
+    l[7] = 2.0;
+    assert_eq!(argmax(&l), 7); // different 16-lane slots, first index wins
+    l[49] = 3.0; // in the tail past the last full chunk of 16
+    assert_eq!(argmax(&l), 49);
+    assert_eq!(argmax(&[f32::NAN; 20]), 0);
+    assert_eq!(argmax(&[f32::NEG_INFINITY, 1.0, f32::INFINITY, f32::INFINITY]), 2);
+    assert_eq!(argmax(&[]), 0);
+}
+
+#[test]
 fn seed_reproduces_and_seeds_differ() {
     let logits = vec![0.0f32; 1000];
     let draw = |seed: u64| {
