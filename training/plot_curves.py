@@ -13,15 +13,16 @@ from pathlib import Path
 
 def _joined(paths: list[str]) -> dict:
     """One log of consecutive phases: later steps' times and tokens offset by what came before."""
-    steps, evals, t0, tok0, starts = [], [], 0.0, 0, []
+    steps, evals, t0, tok0, starts, tok_starts = [], [], 0.0, 0, [], []
     for path in paths:
         log = json.loads(Path(path).read_text())
         starts.append(t0)
+        tok_starts.append(tok0)
         steps += [s | {"t": s["t"] + t0} for s in log["steps"]]
         evals += [e | {"tokens": e["tokens"] + tok0} for e in log["evals"]]
         t0 = steps[-1]["t"] if steps else t0
         tok0 += log.get("final", {}).get("tokens", 0)
-    return {"steps": steps, "evals": evals, "phase_starts": starts[1:]}
+    return {"steps": steps, "evals": evals, "phase_starts": starts[1:], "phase_token_starts": tok_starts[1:]}
 
 
 def main(*args: str) -> int:
@@ -48,15 +49,20 @@ def main(*args: str) -> int:
     a.set_ylim(top=min(10, np.nanmax(final)))
     a.legend()
     a.grid(alpha=0.3)
-    for ev in log["evals"]:
-        depths = sorted(int(d) for d in ev["ppl"])
-        b.plot(depths, [ev["ppl"][str(d)] if str(d) in ev["ppl"] else ev["ppl"][d] for d in depths], "o-",
-               label=f"{ev['tokens'] / 1e6:.2f}M tokens")
-    b.set_xlabel("loops")
-    b.set_ylabel("held-out perplexity (PyTorch)")
-    b.set_xscale("log", base=2)
-    b.legend(fontsize=8)
-    b.grid(alpha=0.3)
+    # Held-out checks against tokens seen: the shallowest and the deepest checked depth, one line each (a legend
+    # entry per check stopped being readable after a few phases).
+    evals = log["evals"]
+    tokens = np.array([ev["tokens"] / 1e6 for ev in evals])
+    for depth, style in [(1, "o-"), (8, "s-")]:
+        ys = np.array([ev["ppl"].get(str(depth), ev["ppl"].get(depth, np.nan)) for ev in evals], dtype=float)
+        b.plot(tokens, ys, style, ms=3, label=f"loops {depth}")
+    for tok in log["phase_token_starts"]:
+        b.axvline(tok / 1e6, color="gray", ls=":", lw=1)
+    b.set_xlabel("tokens seen, millions (dotted: a new phase)")
+    b.set_ylabel("held-out perplexity (PyTorch's check)")
+    b.set_yscale("log")
+    b.legend()
+    b.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return 0
