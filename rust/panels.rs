@@ -22,7 +22,8 @@ const PARALLEL_MIN: usize = 1 << 18;
 pub(crate) type Block = [[f32; PANEL]; MR];
 
 /// A kernel: `(panel, i0, rows, out)` fills `out[..rows]` (rows ≤ MR) for input rows `i0..i0 + rows`. A panel's
-/// set-up (e.g. widening its weights once for many rows) goes in `prepare`, called once per panel per matmul.
+/// set-up (e.g. widening its weights once for many rows) goes in `prepare`, called once per panel per matmul; the
+/// scratch it fills is reused for the worker's next panel, so `prepare` must overwrite whatever it relies on.
 pub(crate) trait PanelKernel: Sync {
     /// Per-panel scratch the kernel may fill before the rows run (unit when it needs none).
     type Scratch: Default;
@@ -49,15 +50,15 @@ impl Columns {
 pub(crate) fn panels<K: PanelKernel>(kernel: &K, m: usize, n: usize, macs: usize, out: &mut [f32]) {
     assert_eq!(out.len(), m * n, "panel output buffer size");
     let cols = Columns(out.as_mut_ptr());
-    let run = |p: usize| {
-        let mut scratch = K::Scratch::default();
-        kernel.prepare(p, m, &mut scratch);
+    // One scratch per worker, reused across its panels (`prepare` overwrites what it uses).
+    let run = |scratch: &mut K::Scratch, p: usize| {
+        kernel.prepare(p, m, scratch);
         let (c0, width) = (p * PANEL, PANEL.min(n - p * PANEL));
         let mut block = [[0f32; PANEL]; MR];
         let mut i = 0;
         while i < m {
             let rows = MR.min(m - i);
-            kernel.block(p, &scratch, i, rows, &mut block);
+            kernel.block(p, scratch, i, rows, &mut block);
             for (a, vals) in block.iter().take(rows).enumerate() {
                 // SAFETY: i + a < m and c0 + width <= n, so the range lies inside the m · n buffer; only panel p
                 // writes columns c0..c0 + width, and `cols` points at `out`, alive for the whole call.
@@ -68,9 +69,10 @@ pub(crate) fn panels<K: PanelKernel>(kernel: &K, m: usize, n: usize, macs: usize
     };
     let count = n.div_ceil(PANEL);
     if macs >= PARALLEL_MIN {
-        (0..count).into_par_iter().for_each(run);
+        (0..count).into_par_iter().for_each_init(K::Scratch::default, run);
     } else {
-        (0..count).for_each(run);
+        let mut scratch = K::Scratch::default();
+        (0..count).for_each(|p| run(&mut scratch, p));
     }
 }
 
