@@ -275,6 +275,13 @@ impl<T: KvElem> Slot<T> {
         let group = n_heads / n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let (ks, vs, kms, vms, base) = (&self.k, &self.v, &self.k_meta, &self.v_meta, self.base);
+        let work: usize = layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+        if let (true, Some(keys), Some(values)) = (layout.extra.is_empty() && hd.is_multiple_of(64), T::as_f16(ks), T::as_f16(vs)) {
+            crate::attn_f16::attend_blocks(keys, values, ctx.shape, cap, q, out, work,
+                                           |i| (visible_from(i).max(base) - base, layout.prefix[i] - base));
+            return Ok(());
+        }
         const NONE: &[usize] = &[];
         // One task per (row, head); each writes its own head_dim-wide piece of `out`.
         let task = |(idx, o): (usize, &mut [f32])| {
@@ -295,7 +302,6 @@ impl<T: KvElem> Slot<T> {
                 attend_one(q_row, &head, visible, hd, scale, o);
             }
         };
-        let work: usize = layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
         if work < 1 << 16 {
             out.chunks_mut(hd).enumerate().for_each(task);
         } else {
@@ -454,6 +460,44 @@ mod tests {
             assert!(o.iter().zip(&want[i * qw..]).all(|(a, b)| (a - b).abs() < 1e-5), "row {i}");
         }
         assert_eq!(cache.bytes_in_use(), n * 2 * kw * 4);
+    }
+
+    /// f16 rows 64 wide take the blocked path (`attn_f16`) when they see contiguous ranges and the per-row one
+    /// (`attend_one`) as tree rows: prefill in one chunk, in uneven chunks, decode row by row and tree-shaped rows all
+    /// give the same bits, close to f32 attention.
+    #[test]
+    fn f16_rows_are_the_same_bits_whichever_path_and_chunking() {
+        let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 };
+        let (n, qw, kw) = (45, 256, 128);
+        let (q, k, v) = (pseudo(n * qw, 11), pseudo(n * kw, 12), pseudo(n * kw, 13));
+        let want = naive(shape, &q, &k, &v);
+        let run = |chunks: &[usize], tree: bool| {
+            let mut cache = KvCache::new(KvKind::F16, shape, 64, 1);
+            let mut out = vec![0.0; n * qw];
+            let mut at = 0;
+            let mut sizes = chunks.iter().copied().chain(std::iter::repeat(1));
+            while at < n {
+                let m = sizes.next().unwrap_or(1).min(n - at);
+                let (rows, o) = ((at..at + m).collect::<Vec<_>>(), &mut out[at * qw..(at + m) * qw]);
+                let (kk, vv, qq) = (&k[at * kw..(at + m) * kw], &v[at * kw..(at + m) * kw], &q[at * qw..(at + m) * qw]);
+                if tree {
+                    // Each row sees the earlier prefix plus the new rows up to itself as "extra" indices.
+                    let extra: Vec<Vec<usize>> = rows.iter().map(|&i| (at..=i).collect()).collect();
+                    let prefix = vec![at; m];
+                    cache.write_rows_and_attend(0, &RowLayout { store: &rows, prefix: &prefix, extra: &extra, pos: &rows }, kk, vv, qq, o).unwrap();
+                } else {
+                    cache.write_and_attend(0, at, kk, vv, qq, o).unwrap();
+                }
+                at += m;
+            }
+            out
+        };
+        let whole = run(&[n], false);
+        assert!(max_diff(&whole, &want) < 2e-3, "f16 vs f32 {}", max_diff(&whole, &want));
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&whole, &run(&[7, 13, 2, 17], false)), "uneven chunks");
+        assert!(same(&whole, &run(&[1], false)), "row by row");
+        assert!(same(&whole, &run(&[5, 9], true)), "tree rows");
     }
 
     #[test]

@@ -32,6 +32,10 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
                     weights: &[f32], out: &mut [f32]) {
         axpy_rows(values, meta, w, rows, weights, out);
     }
+    /// The stored rows as f16 when that is what they are (for `attn_f16`'s blocked attention); `None` otherwise.
+    fn as_f16(_rows: &[Self]) -> Option<&[f16]> {
+        None
+    }
 }
 
 /// `weighted_sum` as `axpy` row after row (the default, and the f16 fallback for widths the wide path skips).
@@ -88,6 +92,9 @@ impl KvElem for f16 {
     fn axpy(row: &[Self], _: (), w: f32, out: &mut [f32]) {
         f16_axpy(row, w, out)
     }
+    fn as_f16(rows: &[Self]) -> Option<&[f16]> {
+        Some(rows)
+    }
     /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
     /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
     #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
@@ -119,8 +126,9 @@ impl KvElem for f16 {
     }
 }
 
-/// `Σ row_i · q_i`: 16 lanes of fused multiply-adds over f16 widened in registers, reduced at the end (the same
-/// fixed order for every row, so a score never depends on which other rows are attended alongside).
+/// `Σ row_i · q_i`: 16 lanes of fused multiply-adds over f16 widened in registers, reduced at the end by
+/// `attn_f16::hsum` (the same fixed order for every row, and the same float as `attn_f16`'s blocked scores, so a
+/// score never depends on which other rows are attended alongside or which path computed it).
 #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 #[inline]
 fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
@@ -134,7 +142,7 @@ fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
             let k = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
             acc = _mm512_fmadd_ps(k, _mm512_loadu_ps(q.as_ptr().add(c)), acc);
         }
-        _mm512_reduce_add_ps(acc)
+        crate::attn_f16::hsum(acc)
     };
     head + row[full..n].iter().zip(&q[full..n]).map(|(a, b)| a.to_f32() * b).sum::<f32>()
 }

@@ -4,6 +4,8 @@
 //! pass, `kv` the cache and attention kernel, `sampler` turns logits into tokens, `engine` generates. `py` (feature
 //! `python`) is the only place that knows about Python.
 
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+pub mod attn_f16;
 pub mod batch;
 pub mod draft_head;
 pub mod error;
