@@ -44,6 +44,9 @@ pub struct Model {
     block: Vec<Layer>,
     /// RoPE inverse frequencies θ^(-2i/d), i < head_dim/2, in f64 so angles at large positions stay exact.
     inv_freq: Vec<f64>,
+    /// (cos, sin) of pos·θ_i for positions below `len / (head_dim / 2)`, `[pos][i]`, grown on demand: every layer
+    /// of every loop rotates the same positions, and computing the angles anew took 3–4% of a prefill.
+    rope_table: std::sync::RwLock<Vec<(f32, f32)>>,
     kv_kind: KvKind,
 }
 
@@ -144,7 +147,7 @@ impl Model {
         let inv_freq = (0..half).map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64)).collect();
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
         let use_draft_head = draft_head.is_some();
-        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, inv_freq, kv_kind })
+        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, inv_freq, rope_table: Default::default(), kv_kind })
     }
 
     pub fn kv_kind(&self) -> KvKind {
@@ -360,12 +363,21 @@ impl Model {
     /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), row r at
     /// `positions[r]`.
     fn rope(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
-        let hd = self.cfg.head_dim;
+        let (hd, half) = (self.cfg.head_dim, self.inv_freq.len());
+        let needed = (positions.iter().max().map_or(0, |&p| p + 1)) * half;
+        if self.rope_table.read().unwrap_or_else(|e| e.into_inner()).len() < needed {
+            let mut t = self.rope_table.write().unwrap_or_else(|e| e.into_inner());
+            let (from, to) = (t.len() / half, (needed / half).max(2 * t.len() / half));
+            for p in from..to {
+                let p = p as f64;
+                t.extend(self.inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)));
+            }
+        }
+        let table = self.rope_table.read().unwrap_or_else(|e| e.into_inner());
         for (row, &pos) in x.chunks_exact_mut(heads * hd).zip(positions) {
-            let p = pos as f64;
-            let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)).collect();
+            let cs = &table[pos * half..(pos + 1) * half];
             for head in row.chunks_exact_mut(hd) {
-                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {
+                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
                     let (a, b) = (pair[0], pair[1]);
                     pair[0] = a * c - b * s;
                     pair[1] = a * s + b * c;
