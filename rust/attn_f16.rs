@@ -171,12 +171,18 @@ pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize,
         unsafe { attend_rows(k, v, hd, scale, &rows, &mut outs, scratch) }
     };
     let tasks = n.div_ceil(ROWS) * n_heads;
+    // attend_rows makes no rayon calls, so a thread never re-enters its scratch.
+    let run = |i| SCRATCH.with_borrow_mut(|s| task(s, i));
     if work < 1 << 16 {
-        let mut scratch = Scratch::default();
-        (0..tasks).for_each(|i| task(&mut scratch, i));
+        (0..tasks).for_each(run);
     } else {
-        (0..tasks).into_par_iter().for_each_init(Scratch::default, task);
+        (0..tasks).into_par_iter().for_each(run);
     }
+}
+
+thread_local! {
+    /// Each thread's buffers, reused across calls (a 16-stream decode step makes a thousand small ones).
+    static SCRATCH: std::cell::RefCell<Scratch> = Default::default();
 }
 
 /// `out` shared by the blocked attention's tasks, each of which writes its own disjoint pieces.

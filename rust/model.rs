@@ -13,6 +13,7 @@ use std::sync::Arc;
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use crate::draft_head::DraftHead;
 use crate::error::{Error, Result};
@@ -328,9 +329,8 @@ impl Model {
         let v = l.wv.forward_rows(&h, n)?; // (n, nkv*hd)
         let mut att = vec![0f32; q.len()];
         let mut row = 0;
-        for s in seqs.iter_mut() {
+        for s in seqs.iter() {
             let n = s.tokens.len();
-            let (qr, kr) = (row * nh * hd..(row + n) * nh * hd, row * nkv * hd..(row + n) * nkv * hd);
             let causal: Vec<usize>;
             let positions = match s.tree {
                 Some(t) => t.rope.as_slice(),
@@ -339,17 +339,34 @@ impl Model {
                     causal.as_slice()
                 }
             };
-            self.rope(&mut q[qr.clone()], nh, positions);
-            self.rope(&mut k[kr.clone()], nkv, positions);
-            let (kk, vv, qq) = (&k[kr.clone()], &v[kr], &q[qr.clone()]);
-            match s.tree {
-                Some(t) => {
-                    let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
-                    s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, &mut att[qr])?
-                }
-                None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, &mut att[qr])?,
-            }
+            self.rope(&mut q[row * nh * hd..(row + n) * nh * hd], nh, positions);
+            self.rope(&mut k[row * nkv * hd..(row + n) * nkv * hd], nkv, positions);
             row += n;
+        }
+        // Each sequence attends over its own cache; several sequences (a batched decode step) spread over the pool
+        // when there is enough work (a pool round trip per layer costs more than short contexts' attention).
+        let mut jobs = Vec::with_capacity(seqs.len());
+        let (mut row, mut rest) = (0, att.as_mut_slice());
+        for s in seqs.iter_mut() {
+            let n = s.tokens.len();
+            let (o, tail) = rest.split_at_mut(n * nh * hd);
+            rest = tail;
+            let kr = row * nkv * hd..(row + n) * nkv * hd;
+            jobs.push((s, &q[row * nh * hd..(row + n) * nh * hd], &k[kr.clone()], &v[kr], o));
+            row += n;
+        }
+        let attend = |(s, qq, kk, vv, o): (&mut SeqChunk<'_>, &[f32], &[f32], &[f32], &mut [f32])| match s.tree {
+            Some(t) => {
+                let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
+                s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
+            }
+            None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
+        };
+        let work: usize = seqs_work(&jobs, nh * hd);
+        if jobs.len() > 1 && work >= 1 << 16 {
+            jobs.into_par_iter().try_for_each(attend)?;
+        } else {
+            jobs.into_iter().try_for_each(attend)?;
         }
         add_assign(&mut xs, &l.wo.forward_rows(&att, n)?);
         let h = rms_norm(&xs, &l.ffn_norm, eps);
@@ -385,6 +402,11 @@ impl Model {
             }
         }
     }
+}
+
+/// Query-key products of a layer's attention: rows × positions they see × query width, summed over sequences.
+fn seqs_work(jobs: &[(&mut SeqChunk, &[f32], &[f32], &[f32], &mut [f32])], width: usize) -> usize {
+    jobs.iter().map(|(s, ..)| s.tokens.len() * (s.pos + s.tokens.len()) * width).sum()
 }
 
 /// RMSNorm of each `w.len()`-wide row, as ggml computes it: the mean square summed in f64, then
