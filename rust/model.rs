@@ -45,8 +45,9 @@ pub struct Model {
     block: Vec<Layer>,
     /// RoPE inverse frequencies θ^(-2i/d), i < head_dim/2, in f64 so angles at large positions stay exact.
     inv_freq: Vec<f64>,
-    /// (cos, sin) of pos·θ_i for positions below `len / (head_dim / 2)`, `[pos][i]`, grown on demand: every layer
-    /// of every loop rotates the same positions, and computing the angles anew took 3–4% of a prefill.
+    /// (cos, sin) of pos·θ_i for positions below `len / (head_dim / 2)`, `[pos][i]`, grown on demand up to
+    /// `ROPE_TABLE_MAX` positions: every layer of every loop rotates the same positions, and computing the angles
+    /// anew took 3–4% of a prefill.
     rope_table: std::sync::RwLock<Vec<(f32, f32)>>,
     kv_kind: KvKind,
 }
@@ -380,29 +381,48 @@ impl Model {
     /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i (llama.cpp's "norm" RoPE), row r at
     /// `positions[r]`.
     fn rope(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
-        let (hd, half) = (self.cfg.head_dim, self.inv_freq.len());
-        let needed = (positions.iter().max().map_or(0, |&p| p + 1)) * half;
-        if self.rope_table.read().unwrap_or_else(|e| e.into_inner()).len() < needed {
-            let mut t = self.rope_table.write().unwrap_or_else(|e| e.into_inner());
-            let (from, to) = (t.len() / half, (needed / half).max(2 * t.len() / half));
-            for p in from..to {
-                let p = p as f64;
-                t.extend(self.inv_freq.iter().map(|f| ((p * f).cos() as f32, (p * f).sin() as f32)));
-            }
+        rope_rows(x, heads, self.cfg.head_dim, positions, &self.inv_freq, &self.rope_table);
+    }
+}
+
+/// `Model::rope` over a table of angles shared by calls (`rope_table`).
+fn rope_rows(x: &mut [f32], heads: usize, hd: usize, positions: &[usize], inv_freq: &[f64],
+         rope_table: &std::sync::RwLock<Vec<(f32, f32)>>) {
+    let half = inv_freq.len();
+    let angles = |p: usize| inv_freq.iter().map(move |f| ((p as f64 * f).cos() as f32, (p as f64 * f).sin() as f32));
+    let needed = positions.iter().max().map_or(0, |&p| p + 1).min(ROPE_TABLE_MAX);
+    if rope_table.read().unwrap_or_else(|e| e.into_inner()).len() < needed * half {
+        let mut t = rope_table.write().unwrap_or_else(|e| e.into_inner());
+        let (from, to) = (t.len() / half, needed.max(2 * t.len() / half).min(ROPE_TABLE_MAX));
+        for p in from..to {
+            t.extend(angles(p));
         }
-        let table = self.rope_table.read().unwrap_or_else(|e| e.into_inner());
-        for (row, &pos) in x.chunks_exact_mut(heads * hd).zip(positions) {
-            let cs = &table[pos * half..(pos + 1) * half];
-            for head in row.chunks_exact_mut(hd) {
-                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
-                    let (a, b) = (pair[0], pair[1]);
-                    pair[0] = a * c - b * s;
-                    pair[1] = a * s + b * c;
-                }
+    }
+    let table = rope_table.read().unwrap_or_else(|e| e.into_inner());
+    let mut far = Vec::new();
+    for (row, &pos) in x.chunks_exact_mut(heads * hd).zip(positions) {
+        // Positions past the table (a sliding-window stream's absolute positions can grow without bound) get
+        // their angles computed in place, by the same formula.
+        let cs = if pos < ROPE_TABLE_MAX {
+            &table[pos * half..(pos + 1) * half]
+        } else {
+            far.clear();
+            far.extend(angles(pos));
+            far.as_slice()
+        };
+        for head in row.chunks_exact_mut(hd) {
+            for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * c - b * s;
+                pair[1] = a * s + b * c;
             }
         }
     }
 }
+
+/// Positions whose RoPE angles `Model::rope` keeps (the table grows with the longest context seen, up to 16 MB at
+/// head_dim 64 and 32 MB at 128).
+const ROPE_TABLE_MAX: usize = 1 << 16;
 
 /// Query-key products of a layer's attention: rows × positions they see × query width, summed over sequences.
 fn seqs_work(jobs: &[(&mut SeqChunk, &[f32], &[f32], &[f32], &mut [f32])], width: usize) -> usize {
@@ -424,4 +444,31 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_from_the_table_and_past_it_is_the_direct_rotation() {
+        let (heads, hd) = (2, 8);
+        let inv_freq: Vec<f64> = (0..hd / 2).map(|i| 10000f64.powf(-2.0 * i as f64 / hd as f64)).collect();
+        let positions = [0, 5, 65_535, 65_536, 70_000, 5];
+        let x0: Vec<f32> = (0..positions.len() * heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let table = std::sync::RwLock::default();
+        let mut x = x0.clone();
+        rope_rows(&mut x, heads, hd, &positions, &inv_freq, &table);
+        assert_eq!(table.read().unwrap().len(), ROPE_TABLE_MAX * hd / 2, "the table stops at ROPE_TABLE_MAX");
+        for (r, &p) in positions.iter().enumerate() {
+            for h in 0..heads {
+                for i in 0..hd / 2 {
+                    let at = (r * heads + h) * hd + 2 * i;
+                    let (c, s) = ((p as f64 * inv_freq[i]).cos() as f32, (p as f64 * inv_freq[i]).sin() as f32);
+                    let (a, b) = (x0[at], x0[at + 1]);
+                    assert_eq!((x[at], x[at + 1]), (a * c - b * s, a * s + b * c), "position {p}, pair {i}");
+                }
+            }
+        }
+    }
 }
