@@ -46,6 +46,13 @@ def tiny(model_factory) -> BuiltModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_long(model_factory) -> BuiltModel:
+    """TINY with a long context: a generation of thousands of tokens takes seconds, so a test can tell a request
+    that was cancelled from one that ran to its end whatever the machine's speed."""
+    return model_factory(dataclasses.replace(TINY, context_length=8192, name="tiny-long"))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny):
     import tinyloop
 

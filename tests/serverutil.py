@@ -22,6 +22,13 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = None, expect_health: int = 200):
+    with server_process(model, *extra, env=env, expect_health=expect_health) as (base, _proc, _output):
+        yield base
+
+
+@contextmanager
+def server_process(model: Path | str, *extra: str, env: dict[str, str] | None = None, expect_health: int = 200):
+    """Like `running_server`, yielding (base URL, the Popen, a function returning the output so far)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tinyloop.server.cli", "--model", str(model), "--port", str(port), *extra]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TINYLOOP_")} | (env or {})
@@ -47,7 +54,7 @@ def running_server(model: Path | str, *extra: str, env: dict[str, str] | None = 
             if time.time() > deadline:
                 raise RuntimeError(f"server did not become ready in 60 s: {output()}")
             time.sleep(0.1)
-        yield base
+        yield base, proc, output
     finally:
         proc.terminate()
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
 
 

@@ -1,8 +1,9 @@
 """The FastAPI application: thin routes over serving.py, auth, errors in the API's shape, metrics per request.
 
 `create_app()` reads its configuration from the environment (set by `tinyloop-serve`, or by hand):
-TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY, TINYLOOP_MAX_RUNNING,
-TINYLOOP_MAX_WAITING, TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
+TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY / TINYLOOP_API_KEY_FILE,
+TINYLOOP_MAX_RUNNING, TINYLOOP_MAX_WAITING, TINYLOOP_MAX_BODY_BYTES, TINYLOOP_MAX_TOKENS_LIMIT,
+TINYLOOP_REQUEST_TIMEOUT, TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
 """
 
 from __future__ import annotations
@@ -10,16 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
 from . import serving
 from .config import ServerConfig
+from .gate import Gate, InFlight
+from .lifecycle import install_drain
 from .metrics import Metrics
 from .protocol import (
     ChatCompletionRequest,
@@ -48,35 +53,6 @@ def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class AuthAndCount:
-    """API-key check and per-route request counts as plain ASGI middleware. (Starlette's `@app.middleware("http")`
-    wraps `receive`, and under granian the client's disconnect then often never reaches a streaming response, so
-    an abandoned stream ran to its end.)"""
-
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        if self.api_key and path != "/health":
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if header != f"Bearer {self.api_key}".encode():
-                self.metrics.requests.labels(path, "401").inc()
-                error = _error(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                        code="invalid_api_key"))
-                return await error(scope, receive, send)
-
-        async def counted(message):
-            if message["type"] == "http.response.start":
-                route = scope.get("route")
-                self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
 def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
     metrics = Metrics()
     engine = runner = None
@@ -84,29 +60,52 @@ def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
     if error is None:
         try:
             engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
-            runner = EngineRunner(engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting)
+            runner = EngineRunner(engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting,
+                                  request_timeout=cfg.request_timeout)
             metrics.threads.set(num_threads())
         except TinyloopError as e:
             error = str(e)
     if error:
         log.error("model not loaded: %s", error)
     state = serving.ServerState(engine=engine, runner=runner, model_id=cfg.served_model_name or str(cfg.model_path),
-                                load_error=error, kv_cache_mode=cfg.kv_cache_mode(), commit=cfg.commit)
+                                load_error=error, kv_cache_mode=cfg.kv_cache_mode(), commit=cfg.commit,
+                                max_tokens_limit=cfg.max_tokens_limit)
     return state, metrics
 
 
 def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     cfg = cfg or ServerConfig.from_env()
     state, metrics = load_state(cfg)
-    app = FastAPI(title="tinyloop", version=serving.__version__, default_response_class=ORJSONResponse)
+    inflight = InFlight()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        install_drain(state.runner, inflight)
+        yield
+        if state.runner is not None:
+            state.runner.abort_all("the server is shutting down")
+
+    app = FastAPI(title="tinyloop", version=serving.__version__, default_response_class=ORJSONResponse,
+                  lifespan=lifespan)
     app.state.tinyloop = state
     started = int(time.time())
 
-    app.add_middleware(AuthAndCount, api_key=cfg.api_key, metrics=metrics)
+    app.add_middleware(Gate, api_keys=cfg.api_keys, metrics=metrics, max_body_bytes=cfg.max_body_bytes,
+                       inflight=inflight)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
         return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):  # unknown routes (404), wrong methods (405)
+        message = {404: "no such route", 405: "method not allowed on this route"}.get(e.status_code, str(e.detail))
+        return _error(APIError(e.status_code, message, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception):
+        log.exception("unexpected error")
+        return _error(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):

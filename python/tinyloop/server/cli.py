@@ -6,22 +6,29 @@ Every flag has an environment variable; a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
 
-from .config import DEFAULT_MODEL
+from .config import DEFAULT_MODEL, api_keys
 
 ENV_HELP = """environment variables:
   TINYLOOP_MODEL_PATH         model file (default: the embedded default model)
   TINYLOOP_MAX_SEQ_LEN        longest prompt + output, in tokens (default: the model's context length)
   TINYLOOP_SERVED_MODEL_NAME  id reported by /v1/models (default: the model path)
-  TINYLOOP_API_KEY            require 'Authorization: Bearer <key>' on every route but /health
+  TINYLOOP_API_KEY            API keys, comma-separated: every route but /health then needs
+                              'Authorization: Bearer <key>' (or 'x-api-key: <key>')
+  TINYLOOP_API_KEY_FILE       a file of API keys, one per line (added to TINYLOOP_API_KEY's)
   TINYLOOP_MAX_RUNNING        requests generated at once, batched step by step; more wait (default 16)
   TINYLOOP_MAX_WAITING        requests that may wait; past it the server answers 503 + Retry-After (default 256)
   TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
                               KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
                               none -> fp16; H_MODE without INT4, or INT4 with INT8, is a load error
+  TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
+  TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
+  TINYLOOP_REQUEST_TIMEOUT    seconds of wall time a request may take, queueing included; past it the
+                              generation ends with finish_reason "aborted" (default 600; 0: no limit)
   TINYLOOP_THREADS            compute threads (default: one per core); sets RAYON_NUM_THREADS for the engine
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
 """
@@ -35,7 +42,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model file (else TINYLOOP_MODEL_PATH, else the embedded default)")
     p.add_argument("--max-seq-len", type=int, default=None, help="else TINYLOOP_MAX_SEQ_LEN, else the model's context")
     p.add_argument("--served-model-name", default=None, help="else TINYLOOP_SERVED_MODEL_NAME, else the model path")
-    p.add_argument("--api-key", default=None, help="else TINYLOOP_API_KEY; unset means no authentication")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="an API key (repeat for several), else TINYLOOP_API_KEY; no key means no authentication")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line; else TINYLOOP_API_KEY_FILE")
+    p.add_argument("--max-body-bytes", type=_positive, default=None, help="else TINYLOOP_MAX_BODY_BYTES, else 4 MiB")
+    p.add_argument("--max-tokens-limit", type=_positive, default=None,
+                   help="ceiling of max_tokens, else TINYLOOP_MAX_TOKENS_LIMIT, else 8192")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds one request may take (0: no limit), else TINYLOOP_REQUEST_TIMEOUT, else 600")
     p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
     p.add_argument("--max-waiting", type=int, default=None, help="else TINYLOOP_MAX_WAITING, else 256")
     p.add_argument("--threads", type=_positive, default=None,
@@ -57,29 +71,53 @@ def _positive(text: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of threads >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return n
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     for env, value in [("TINYLOOP_MODEL_PATH", args.model), ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
-                       ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name), ("TINYLOOP_API_KEY", args.api_key),
-                       ("TINYLOOP_MAX_RUNNING", args.max_running), ("TINYLOOP_MAX_WAITING", args.max_waiting)]:
+                       ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name),
+                       ("TINYLOOP_API_KEY", ",".join(args.api_key) if args.api_key else None),
+                       ("TINYLOOP_API_KEY_FILE", args.api_key_file),
+                       ("TINYLOOP_MAX_RUNNING", args.max_running), ("TINYLOOP_MAX_WAITING", args.max_waiting),
+                       ("TINYLOOP_MAX_BODY_BYTES", args.max_body_bytes),
+                       ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
+                       ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout)]:
         if value is not None:
             os.environ[env] = str(value)
     if args.threads is not None:
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read by rayon and candle when the worker first computes
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = os.environ.get("TINYLOOP_MODEL_PATH") or str(DEFAULT_MODEL)
-    logging.getLogger("tinyloop.server").info("serving %s on http://%s:%d/v1", model, args.host, args.port)
+    log = logging.getLogger("tinyloop.server")
+    try:
+        keys = api_keys(os.environ.get("TINYLOOP_API_KEY"), os.environ.get("TINYLOOP_API_KEY_FILE"))
+    except OSError as e:
+        log.error("cannot read the API key file: %s", e)
+        return 2
+    if not keys and not _is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who can reach this address can use the server "
+                    "(set --api-key or --api-key-file)", args.host)
+    log.info("serving %s on http://%s:%d/v1", model, args.host, args.port)
 
     from granian import Granian
     from granian.constants import Interfaces
 
+    # workers_kill_timeout: the worker drains its requests on SIGTERM (lifecycle.py) within a few seconds; if it
+    # ever does not, it is killed rather than holding the process open.
     Granian("tinyloop.server.app:create_app", factory=True, address=args.host, port=args.port,
-            interface=Interfaces.ASGI, workers=1, log_level=args.log_level, log_access=False).serve()
+            interface=Interfaces.ASGI, workers=1, log_level=args.log_level, log_access=False,
+            workers_kill_timeout=5).serve()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .protocol import MAX_TOKENS_LIMIT
+
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default.tinyloop"
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB JSON body holds a prompt of ~500k token ids: past any context length
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds of wall time one request may take, queueing included
 
 
 def _flag(name: str) -> bool:
@@ -18,13 +22,16 @@ class ServerConfig:
     model_path: Path = DEFAULT_MODEL
     max_seq_len: int | None = None
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_running: int = 16
     max_waiting: int = 256
     kv_int8: bool = False
     kv_int4: bool = False
     kv_h_mode: bool = False
     commit: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -34,13 +41,16 @@ class ServerConfig:
             model_path=Path(env.get("TINYLOOP_MODEL_PATH") or DEFAULT_MODEL),
             max_seq_len=int(seq) if seq else None,
             served_model_name=env.get("TINYLOOP_SERVED_MODEL_NAME") or None,
-            api_key=env.get("TINYLOOP_API_KEY") or None,
+            api_keys=api_keys(env.get("TINYLOOP_API_KEY"), env.get("TINYLOOP_API_KEY_FILE")),
             max_running=int(env.get("TINYLOOP_MAX_RUNNING") or 16),
             max_waiting=int(env.get("TINYLOOP_MAX_WAITING") or 256),
             kv_int8=_flag("TINYLOOP_KV_INT8"),
             kv_int4=_flag("TINYLOOP_KV_INT4"),
             kv_h_mode=_flag("TINYLOOP_KV_H_MODE"),
             commit=env.get("TINYLOOP_COMMIT") or _baked_commit(),
+            max_body_bytes=int(env.get("TINYLOOP_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES),
+            max_tokens_limit=int(env.get("TINYLOOP_MAX_TOKENS_LIMIT") or MAX_TOKENS_LIMIT),
+            request_timeout=float(env.get("TINYLOOP_REQUEST_TIMEOUT") or DEFAULT_REQUEST_TIMEOUT),
         )
 
     def kv_cache_mode(self) -> str:
@@ -58,6 +68,16 @@ class ServerConfig:
         if self.kv_int4 and self.kv_int8:
             return "TINYLOOP_KV_INT4=1 and TINYLOOP_KV_INT8=1 are both set; choose one KV cache mode"
         return None
+
+
+def api_keys(listed: str | None, file: str | None) -> tuple[str, ...]:
+    """Keys from a comma-separated list and from a file of one key per line (blank lines and `#` comments
+    skipped). An unreadable file is an error: a server told to require keys must never start open."""
+    keys = [k.strip() for k in (listed or "").split(",")]
+    if file:
+        lines = Path(file).read_text(encoding="utf-8").splitlines()
+        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
+    return tuple(k for k in keys if k)
 
 
 def _baked_commit() -> str | None:

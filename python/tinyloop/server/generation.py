@@ -1,7 +1,14 @@
-"""One choice of one request: submit to the engine, turn step events into text deltas, apply stop strings."""
+"""One choice of one request: submit to the engine, turn step events into text deltas, apply stop strings.
+
+When a stop string matches, the text ends where the stop string begins, and so do the tokens: `tokens` keeps the
+tokens that lie wholly before the stop string (a token in which the stop string begins is dropped, though the text
+keeps its characters before the stop). Streams hand out a token only once the text it decodes to has been handed
+out, so a streamed request's tokens and text equal the non-streamed ones.
+"""
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +20,8 @@ from .text import TextStream
 
 @dataclass
 class ChoiceRun:
-    """Drives one generation; `deltas()` yields (text, finish_reason) pairs, the last one with a finish reason."""
+    """Drives one generation; `deltas()` yields (text, finish_reason, tokens handed out) triples, the last one with
+    a finish reason."""
 
     runner: EngineRunner
     prompt: list[int]
@@ -25,15 +33,18 @@ class ChoiceRun:
     mode: str = "generate"
     cache_window: int = 0  # > 0: attend to (and keep) only the last cache_window positions
     tokens: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens the engine generated (usage counts them, a matched stop string's included)
     text: str = ""
     finish_reason: str | None = None
+    stopped_by_string: bool = False
+    error: str | None = None  # the engine's message when finish_reason is "error"
     first_token_at: float | None = None
 
     def __post_init__(self) -> None:
         self.job = self.runner.submit(self.prompt, self.params, self.loops, self.draft, self.mode, self.cache_window)
 
     def cancel(self) -> None:
-        self.job.cancel()
+        self.runner.cancel(self.job)
 
     def _clean(self, delta: str) -> str:
         if self.lstrip and not self.text:
@@ -41,8 +52,9 @@ class ChoiceRun:
         self.text += delta
         return delta
 
-    async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def deltas(self) -> AsyncIterator[tuple[str, str | None, int]]:
         ts = TextStream(self.stop)
+        ends: list[int] = []  # per token: the text position where it ends (TextStream.position)
         try:
             async for ev in self.job.events():
                 delta = ""
@@ -50,20 +62,23 @@ class ChoiceRun:
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
                     self.tokens.append(ev.token_id)
+                    self.generated += 1
                     delta = ts.push(ev.bytes)
+                    ends.append(ts.position())
                 if ts.stopped:
-                    self.finish_reason = "stop"
-                    self.job.cancel()
-                    yield self._clean(delta), "stop"
+                    self.finish_reason, self.stopped_by_string = "stop", True
+                    del self.tokens[bisect.bisect_right(ends, len(ts.text)):]
+                    self.cancel()
+                    yield self._clean(delta), "stop", len(self.tokens)
                     return
                 if ev.finish_reason is not None:
-                    self.finish_reason = ev.finish_reason
-                    yield self._clean(delta + ts.finish()), ev.finish_reason
+                    self.finish_reason, self.error = ev.finish_reason, getattr(ev, "error", None)
+                    yield self._clean(delta + ts.finish()), ev.finish_reason, len(self.tokens)
                     return
                 if delta:
-                    yield self._clean(delta), None
+                    yield self._clean(delta), None, bisect.bisect_right(ends, len(ts.text))
         finally:
-            self.job.cancel()  # no-op when finished; frees the engine slot when the consumer went away
+            self.cancel()  # no-op when finished; frees the engine slot when the consumer went away
 
     def draft_stats(self) -> tuple[int, int, int]:
         """(rounds, proposed, accepted), valid once the generation has ended."""

@@ -27,6 +27,10 @@ class Metrics:
                                       registry=r)
         self.threads = Gauge("tinyloop_threads", "Compute threads of the engine", registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
+        self.client_disconnects = Counter("tinyloop_client_disconnects", "Requests whose client left before the answer "
+                                          "was complete (their generation is cancelled)", registry=r)
+        self.cancel_steps = Histogram("tinyloop_cancel_steps", "Engine steps a cancelled request still took part in "
+                                      "after its cancellation", buckets=(0, 1, 2, 3, 5, 10, 100), registry=r)
 
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,8 @@
 """Request and response schemas of the TinyLoop API (shared/seeds/000, docs/api.md).
 
 Pydantic checks shapes and types (a failure is 422); `check()` on each request checks ranges and consistency
-(a failure is 400, naming the parameter), as the contract separates them.
+(a failure is 400, naming the parameter), as the contract separates them. Types are strict: `"8"` or `8.0` is not
+an integer, `1` is not a boolean, and `NaN` / `Infinity` are not numbers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import APIError
 
-MAX_TOKENS_LIMIT = 8192
+MAX_TOKENS_LIMIT = 8192  # the default ceiling of max_tokens (`--max-tokens-limit`)
 MAX_N = 8
+SEED_MAX = 2**64 - 1
 
 
 def _range(name: str, value: float | int | None, lo: float, hi: float) -> None:
@@ -22,19 +24,23 @@ def _range(name: str, value: float | int | None, lo: float, hi: float) -> None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Part):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
@@ -68,9 +74,10 @@ class OpenAISampling(_Request):
             return self.max_completion_tokens
         return self.max_tokens if self.max_tokens is not None else 128
 
-    def check(self) -> None:
-        _range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
-        _range("max_completion_tokens", self.max_completion_tokens, 1, MAX_TOKENS_LIMIT)
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
+        _range("max_tokens", self.max_tokens, 1, max_tokens_limit)
+        _range("max_completion_tokens", self.max_completion_tokens, 1, max_tokens_limit)
+        _range("seed", self.seed, 0, SEED_MAX)
         _range("temperature", self.temperature, 0.0, 2.0)
         _range("top_p", self.top_p, 0.0, 1.0)
         _range("n", self.n, 1, MAX_N)
@@ -82,10 +89,13 @@ class OpenAISampling(_Request):
             raise APIError(400, "stop may hold at most 8 strings", param="stop")
 
 
-class LMStudioExtras(BaseModel):
+MODES = ("generate", "speculative", "tree_speculative")
+
+
+class LMStudioExtras(_Part):
     """The /api/v0 superset fields."""
 
-    mode: Literal["generate", "speculative", "tree_speculative"] = "generate"
+    mode: str = "generate"
     draft_loops: int = 2
     verify_loops: int = 8
     draft_ahead: int = 4
@@ -94,6 +104,8 @@ class LMStudioExtras(BaseModel):
     repetition_penalty: float = 1.0
 
     def check_extras(self) -> None:
+        if self.mode not in MODES:
+            raise APIError(400, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", param="mode")
         _range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
         _range("draft_loops", self.draft_loops, 1, 32)
         _range("verify_loops", self.verify_loops, 1, 64)
@@ -101,7 +113,7 @@ class LMStudioExtras(BaseModel):
         _range("K_branches", self.K_branches, 1, 16)
         _range("cache_window", self.cache_window, 0, 1 << 20)
         if self.mode != "generate":
-            check_speculative(self.mode, self.draft_ahead, self.K_branches)
+            check_speculative(self.mode, self.draft_ahead, self.K_branches, self.draft_loops, self.verify_loops)
 
     def draft(self) -> tuple[int, int, int] | None:
         """(draft_loops, draft_ahead, k_branches) for the speculative modes."""
@@ -119,14 +131,14 @@ class CompletionRequest(OpenAISampling):
 
 
 class LMChatCompletionRequest(ChatCompletionRequest, LMStudioExtras):
-    def check(self) -> None:
-        super().check()
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
+        super().check(max_tokens_limit)
         self.check_extras()
 
 
 class LMCompletionRequest(CompletionRequest, LMStudioExtras):
-    def check(self) -> None:
-        super().check()
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
+        super().check(max_tokens_limit)
         self.check_extras()
 
 
@@ -142,11 +154,12 @@ class GenerateRequest(_Request):
     repetition_penalty: float = 1.0
     sample_seed: int = 0
     stream: bool = False
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str | int] | None = None
     cache_window: int = 0
 
-    def check(self) -> None:
-        _range("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
+        _range("max_tokens", self.max_tokens, 1, max_tokens_limit)
+        _range("sample_seed", self.sample_seed, 0, SEED_MAX)
         _range("loops", self.loops, 1, 64)
         _range("temperature", self.temperature, 0.0, 2.0)
         _range("top_k", self.top_k, 0, 1000)
@@ -165,12 +178,13 @@ class SpeculativeRequest(GenerateRequest):
     verify_loops: int = 8
     draft_ahead: int = 4
 
-    def check(self) -> None:
-        super().check()
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
+        super().check(max_tokens_limit)
         _range("draft_loops", self.draft_loops, 1, 32)
         _range("verify_loops", self.verify_loops, 1, 64)
         _range("draft_ahead", self.draft_ahead, 1, 16)
-        check_speculative(self.mode, self.draft_ahead, getattr(self, "K_branches", 1))
+        check_speculative(self.mode, self.draft_ahead, getattr(self, "K_branches", 1), self.draft_loops,
+                          self.verify_loops)
 
 
 class TreeSpeculativeRequest(SpeculativeRequest):
@@ -179,14 +193,17 @@ class TreeSpeculativeRequest(SpeculativeRequest):
     mode: ClassVar[str] = "tree_speculative"
     K_branches: int = 1
 
-    def check(self) -> None:
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
         _range("K_branches", self.K_branches, 1, 16)
         if self.temperature != 0.0:
             raise APIError(400, "tree_speculative is greedy-only: temperature must be 0.0", param="temperature")
-        super().check()
+        super().check(max_tokens_limit)
 
 
-def check_speculative(mode: str, draft_ahead: int, k_branches: int) -> None:
+def check_speculative(mode: str, draft_ahead: int, k_branches: int, draft_loops: int, verify_loops: int) -> None:
+    if draft_loops >= verify_loops:
+        raise APIError(400, f"draft_loops ({draft_loops}) must be below verify_loops ({verify_loops})",
+                       param="draft_loops")
     if mode == "tree_speculative":
         if k_branches * draft_ahead > 64:
             raise APIError(400, f"K_branches * draft_ahead must be at most 64, got {k_branches} * {draft_ahead}",

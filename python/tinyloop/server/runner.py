@@ -5,12 +5,18 @@ a new one joins at the next step.
 
 Requests beyond `max_running` wait in FIFO order; past `max_waiting` waiting ones, `submit` refuses more (the
 server answers 503 with Retry-After). Each running request owns its own KV cache (in its TokenStream).
+
+A job ends in one of four ways, each delivered to its consumer as a final event: the engine finished it (EOS, a
+stop token, max_tokens), its step failed (`finish_reason` "error", the failure's message attached; the other
+requests of the batch go on), it ran past the per-request wall-time limit, or the server is shutting down (both
+"aborted"). A job whose consumer went away (`cancel`) is dropped without an event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,9 +24,21 @@ from dataclasses import dataclass, field
 from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream
 from .metrics import Metrics
 
+log = logging.getLogger("tinyloop.server")
+
 
 class Overloaded(Exception):
-    """The waiting queue is full."""
+    """The waiting queue is full, or the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A final event the runner makes itself (shaped like a StepEvent that carries no token)."""
+
+    finish_reason: str
+    error: str | None = None
+    token_id: int = -1
+    bytes: bytes = b""
 
 
 @dataclass
@@ -31,30 +49,30 @@ class Job:
     draft_stats: tuple[int, int, int] = (0, 0, 0)  # (rounds, proposed, accepted), set when the job leaves
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    cancelled_at_step: int | None = None  # the runner's step count when the consumer left
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
 
-    def cancel(self) -> None:
-        self.cancelled = True  # a running job leaves at the next step; a waiting one when the queue is next read
-
     async def events(self):
-        """Step events until the finishing one; an engine failure is raised here."""
+        """Step events (or a final `Ended`) until the finishing one."""
         while True:
             item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
             yield item
             if item.finish_reason is not None:
                 return
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, max_waiting: int = 256):
+    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, max_waiting: int = 256,
+                 request_timeout: float = 0.0):
         self.engine = engine
         self.metrics = metrics
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout  # seconds of wall time per request; 0: no limit
+        self.steps = 0  # batched steps run so far
+        self._closing: str | None = None  # set by `abort_all`: why new work is refused
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
         self._cv = threading.Condition()
@@ -70,6 +88,8 @@ class EngineRunner:
                                     cache_window=cache_window)
         job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
         with self._cv:
+            if self._closing:
+                raise Overloaded(self._closing)
             self._drop_cancelled_waiting()
             if len(self._running) + len(self._waiting) >= self.max_running + self.max_waiting:
                 raise Overloaded(f"the server is at capacity ({len(self._running)} requests running, "
@@ -79,10 +99,25 @@ class EngineRunner:
             self._cv.notify()
         return job
 
+    def cancel(self, job: Job) -> None:
+        """The consumer went away: a running job leaves at the next step, a waiting one at once."""
+        with self._cv:
+            if job.cancelled:
+                return
+            job.cancelled, job.cancelled_at_step = True, self.steps
+            self._cv.notify()
+
+    def abort_all(self, reason: str) -> None:
+        """Shutdown: refuse new work, and end every waiting and running job with `finish_reason` "aborted"."""
+        with self._cv:
+            self._closing = reason
+            self._cv.notify()
+
     def _drop_cancelled_waiting(self) -> None:
         """Forget waiting jobs whose client went away (caller holds the lock)."""
         if any(j.cancelled for j in self._waiting):
             self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
+            self.metrics.requests_waiting.set(len(self._waiting))
 
     def _update_gauges(self) -> None:
         """Called from the engine thread only (it owns `_running`)."""
@@ -98,45 +133,92 @@ class EngineRunner:
         if proposed:
             self.metrics.draft_proposed.labels(job.mode).inc(proposed)
             self.metrics.draft_accepted.labels(job.mode).inc(accepted)
+        if job.cancelled:
+            self.metrics.cancel_steps.observe(self.steps - (job.cancelled_at_step or 0))
 
-    def _deliver(self, job: Job, item: StepEvent | BaseException) -> None:
+    def _deliver(self, job: Job, item: StepEvent | Ended) -> None:
         job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+
+    def _admit(self) -> list[Job]:
+        """Wait until something can run; move waiting jobs in; return the jobs to end now (shutdown)."""
+        with self._cv:
+            while True:  # sleep until something can run (never spin on a queue that cannot move)
+                self._drop_cancelled_waiting()
+                ending = list(self._waiting) + [j for j in self._running if not j.cancelled]
+                if self._closing and ending:
+                    self._waiting.clear()
+                    return ending
+                while self._waiting and len(self._running) < self.max_running:
+                    self._running.append(self._waiting.popleft())
+                if self._running:
+                    return []
+                self.metrics.requests_waiting.set(len(self._waiting))
+                self._cv.wait()
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while True:  # sleep until something can run (never spin on a queue that cannot move)
-                    self._drop_cancelled_waiting()
-                    while self._waiting and len(self._running) < self.max_running:
-                        self._running.append(self._waiting.popleft())
-                    if self._running:
-                        break
-                    self.metrics.requests_waiting.set(len(self._waiting))
-                    self._cv.wait()
-            for job in [j for j in self._running if j.cancelled]:
-                self._retire(job)
-            active = list(self._running)
             try:
-                results = self.engine.step_many([job.stream for job in active]) if active else []
-            except TinyloopError as e:  # the batch itself failed (an engine bug): fail its requests, keep serving
-                results = [e] * len(active)
-            now = time.perf_counter()
-            for job, event in zip(active, results):
-                if event is None or isinstance(event, BaseException):
-                    self._retire(job)
-                    self._deliver(job, event if event is not None else TinyloopError("the stream had ended"))
-                    continue
-                if event.token_id >= 0:
-                    if job.first_token is None:
-                        job.first_token = now
-                        self.metrics.ttft.observe(now - job.submitted)
-                    else:
-                        self.metrics.itl.observe(now - (job.last_token or now))
-                    job.last_token = now
-                    self.metrics.generation_tokens.inc()
-                if event.finish_reason is not None:
-                    self._retire(job)
-                elif event.token_id < 0:
-                    continue  # a step of a long prompt's chunked prefill: nothing to hand out yet
-                self._deliver(job, event)
-            self._update_gauges()
+                self._iteration()
+            except Exception as e:  # noqa: BLE001 - a bug here must not stop the loop that serves every request
+                log.exception("the engine loop failed; ending its running requests")
+                failed, self._running = self._running, []
+                for job in failed:
+                    self._deliver(job, Ended("error", f"internal error: {type(e).__name__}"))
+
+    def _iteration(self) -> None:
+        for job in self._admit():
+            if job in self._running:
+                self._retire(job)
+            self._deliver(job, Ended("aborted"))
+        now = time.perf_counter()
+        for job in list(self._running):
+            if job.cancelled:
+                self._retire(job)
+            elif self.request_timeout and now - job.submitted > self.request_timeout:
+                log.warning("a request ran past the %.0f s wall-time limit: aborted", self.request_timeout)
+                self._retire(job)
+                self._deliver(job, Ended("aborted"))
+        active = list(self._running)
+        results = self._step(active)
+        self.steps += bool(active)
+        self._hand_out(active, results)
+        self._update_gauges()
+
+    def _step(self, active: list[Job]) -> list:
+        """One batched step; if the batch as a whole fails, each stream steps alone, so that only the stream
+        at fault fails."""
+        if not active:
+            return []
+        try:
+            return self.engine.step_many([job.stream for job in active])
+        except TinyloopError:
+            log.exception("a batched step failed; stepping its %d streams one by one", len(active))
+        results = []
+        for job in active:
+            try:
+                results.append(self.engine.step_many([job.stream])[0])
+            except TinyloopError as e:
+                results.append(e)
+        return results
+
+    def _hand_out(self, active: list[Job], results: list) -> None:
+        now = time.perf_counter()
+        for job, event in zip(active, results):
+            if event is None or isinstance(event, BaseException):
+                log.error("a request's generation failed: %s", event or "the stream had ended")
+                self._retire(job)
+                self._deliver(job, Ended("error", str(event) if event is not None else "the stream had ended"))
+                continue
+            if event.token_id >= 0:
+                if job.first_token is None:
+                    job.first_token = now
+                    self.metrics.ttft.observe(now - job.submitted)
+                else:
+                    self.metrics.itl.observe(now - (job.last_token or now))
+                job.last_token = now
+                self.metrics.generation_tokens.inc()
+            if event.finish_reason is not None:
+                self._retire(job)
+            elif event.token_id < 0:
+                continue  # a step of a long prompt's chunked prefill: nothing to hand out yet
+            self._deliver(job, event)

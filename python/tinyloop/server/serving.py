@@ -16,7 +16,7 @@ import orjson
 
 from .. import __version__
 from .._core import ContextLengthError, Engine, InvalidRequestError, SamplingParams
-from ..errors import APIError
+from ..errors import APIError, error_body
 from .generation import ChoiceRun
 from .protocol import (
     ChatCompletionRequest,
@@ -24,6 +24,7 @@ from .protocol import (
     CompletionRequest,
     GenerateRequest,
     LMStudioExtras,
+    MAX_TOKENS_LIMIT,
     OpenAISampling,
     SpeculativeRequest,
     usage,
@@ -55,6 +56,7 @@ class ServerState:
     load_error: str | None
     kv_cache_mode: str
     commit: str | None
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
 
     def require_engine(self) -> tuple[Engine, EngineRunner]:
         if self.engine is None or self.runner is None:
@@ -84,9 +86,13 @@ class Request:
         engine, runner = state.require_engine()
         limit = engine.info.max_seq_len
         max_tokens = params[0].max_tokens
+        vocab = engine.info.vocab_size
         for p in prompts:
             if not p:
                 raise APIError(400, "prompt must contain at least one token", param="prompt")
+            bad = next((t for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             if len(p) + max_tokens > limit:
                 raise APIError(400, f"prompt has {len(p)} tokens and max_tokens is {max_tokens}: "
                                f"{len(p) + max_tokens} exceeds the maximum sequence length {limit}",
@@ -116,14 +122,15 @@ class Request:
             self.cancel()
 
     async def merged_deltas(self) -> AsyncIterator[tuple[int, str, str | None, int]]:
-        """(choice index, delta, finish, tokens so far) from all choices as they come. The token count is taken
-        when the delta is made: the choice may already have produced more by the time the consumer reads it."""
+        """(choice index, delta, finish, tokens handed out so far) from all choices as they come. The token count
+        is taken when the delta is made: the choice may already have produced more by the time the consumer reads
+        it."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, c: ChoiceRun) -> None:
             try:
-                async for delta, finish in c.deltas():
-                    await queue.put((i, delta, finish, len(c.tokens)))
+                async for delta, finish, count in c.deltas():
+                    await queue.put((i, delta, finish, count))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer, which re-raises
                 await queue.put(e)
 
@@ -142,20 +149,24 @@ class Request:
                 t.cancel()
             self.cancel()
 
+    def error(self) -> str | None:
+        """The first engine failure among the choices, if any."""
+        return next((c.error or "generation failed" for c in self.choices if c.finish_reason == "error"), None)
+
     def usage(self) -> dict[str, int]:
-        return usage(sum(len(p) for p in self.prompts), sum(len(c.tokens) for c in self.choices))
+        return usage(sum(len(p) for p in self.prompts), sum(c.generated for c in self.choices))
 
     def stats(self, mode: str, loops_used: int) -> dict[str, Any]:
         wall = time.perf_counter() - self.started
-        completion = sum(len(c.tokens) for c in self.choices)
+        completion = sum(c.generated for c in self.choices)
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
         ttft = (min(firsts) - self.started) if firsts else None
-        reason = self.choices[0].finish_reason if self.choices else None
+        first = self.choices[0] if self.choices else None
         out = {"wall_ms": round(wall * 1000, 3), "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
                 "prompt_tokens": sum(len(p) for p in self.prompts), "completion_tokens": completion, "mode": mode,
                 "loops_used": loops_used, "time_to_first_token": round(ttft, 6) if ttft is not None else None,
                 "generation_time": round(wall - (ttft or 0.0), 6),
-                "stop_reason": {"stop": "eosFound", "length": "maxPredictedTokensReached"}.get(reason or "", reason)}
+                "stop_reason": lm_stop_reason(first)}
         if mode != "generate":
             rounds = proposed = accepted = 0
             for c in self.choices:
@@ -167,11 +178,27 @@ class Request:
         return out
 
 
+def lm_stop_reason(c: ChoiceRun | None) -> str | None:
+    """LM Studio's `stats.stop_reason` for how a choice ended."""
+    if c is None or c.finish_reason is None:
+        return None
+    if c.stopped_by_string:
+        return "stopStringFound"
+    return {"stop": "eosFound", "length": "maxPredictedTokensReached", "aborted": "userStopped",
+            "error": "failed"}.get(c.finish_reason, c.finish_reason)
+
+
+def stream_error(message: str) -> bytes:
+    """The event that ends a stream whose generation failed after the 200 was sent (then `[DONE]` follows)."""
+    return sse(error_body(500, message, code="engine_error"))
+
+
 def _openai_params(req: OpenAISampling, repetition_penalty: float = 1.0) -> list[SamplingParams]:
     """One SamplingParams per sample; with a seed, sample i uses seed + i so the n samples differ."""
     return [SamplingParams(temperature=req.temperature, top_p=req.top_p, presence_penalty=req.presence_penalty,
                            frequency_penalty=req.frequency_penalty, repetition_penalty=repetition_penalty,
-                           seed=None if req.seed is None else req.seed + i, max_tokens=req.resolved_max_tokens(),
+                           seed=None if req.seed is None else (req.seed + i) % 2**64,
+                           max_tokens=req.resolved_max_tokens(),
                            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
             for i in range(req.n)]
 
@@ -199,7 +226,7 @@ def _extras(req: OpenAISampling) -> tuple[float, int | None, tuple[int, int, int
 
 
 def start_chat(state: ServerState, req: ChatCompletionRequest) -> Request:
-    req.check()
+    req.check(state.max_tokens_limit)
     engine, _ = state.require_engine()
     prompt = engine.encode(render_chat(req.messages))
     rep, loops, draft = _extras(req)
@@ -208,7 +235,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> Request:
 
 
 def start_completion(state: ServerState, req: CompletionRequest) -> Request:
-    req.check()
+    req.check(state.max_tokens_limit)
     engine, _ = state.require_engine()
     p = req.prompt
     if isinstance(p, str):
@@ -268,6 +295,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, r: Request
             yield chunk(i, {"content": delta}, None)
         if finish is not None:
             yield chunk(i, {}, finish)
+    if (error := r.error()) is not None:
+        yield stream_error(error)
     if with_usage:
         yield sse({**base, "choices": [], "usage": r.usage()})
     yield SSE_DONE
@@ -288,6 +317,8 @@ async def completion_stream(state: ServerState, req: CompletionRequest, r: Reque
             yield chunk(i, delta, None)
         if finish is not None:
             yield chunk(i, "", finish)
+    if (error := r.error()) is not None:
+        yield stream_error(error)
     if with_usage:
         yield sse({**base, "choices": [], "usage": r.usage()})
     yield SSE_DONE
@@ -295,7 +326,7 @@ async def completion_stream(state: ServerState, req: CompletionRequest, r: Reque
 
 def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, str, int]:
     """Native /generate and its speculative variants: (request, mode, loops used)."""
-    req.check()
+    req.check(state.max_tokens_limit)
     engine, _ = state.require_engine()
     prompt = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
     stop_ids: list[int] = []
@@ -305,6 +336,9 @@ def start_generate(state: ServerState, req: GenerateRequest) -> tuple[Request, s
     elif req.stop:
         for s in req.stop:
             (stop_ids if isinstance(s, int) else stop_text).append(s)  # type: ignore[arg-type]
+    vocab = engine.info.vocab_size
+    if any(not 0 <= t < vocab for t in stop_ids):
+        raise APIError(400, f"stop token ids must be in the vocabulary [0, {vocab})", param="stop")
     params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             repetition_penalty=req.repetition_penalty, seed=req.sample_seed,
                             max_tokens=req.max_tokens, stop_token_ids=stop_ids)
@@ -323,17 +357,21 @@ def generate_response(r: Request, mode: str, loops: int) -> dict[str, Any]:
 
 
 async def generate_stream(r: Request) -> AsyncIterator[bytes]:
-    """Native SSE: one event per token with its text delta, then the token_id -1 tail event, then [DONE]."""
+    """Native SSE: one event per token with the text handed out since the previous event, then the token_id -1
+    tail event with the rest of the text and the finish reason, then [DONE] (an error event before it if the
+    generation failed)."""
     c = r.choices[0]
     seen = 0
+    pending = ""
     async for _, delta, finish, count in r.merged_deltas():
-        new = c.tokens[seen:count]
+        pending += delta
+        for t in c.tokens[seen:count]:
+            yield sse({"token_id": t, "text": pending})
+            pending = ""
         seen = count
-        for k, t in enumerate(new):
-            yield sse({"token_id": t, "text": delta if k == len(new) - 1 else ""})
-        if new:
-            delta = ""
         if finish is not None:
-            yield sse({"token_id": -1, "text": delta})
+            yield sse({"token_id": -1, "text": pending, "finish_reason": finish})
             break
+    if (error := r.error()) is not None:
+        yield stream_error(error)
     yield SSE_DONE

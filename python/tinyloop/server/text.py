@@ -25,6 +25,11 @@ class TextStream:
         self._held += self._decoder.decode(data)
         return self._release(final=False)
 
+    def position(self) -> int:
+        """Characters decoded so far, emitted or held, counting a character whose bytes have only begun: a token
+        ends at this position, and lies wholly before a stop string when it is at most where the stop begins."""
+        return len(self.text) + len(self._held) + (1 if self._decoder.getstate()[0] else 0)
+
     def finish(self) -> str:
         """Flush at the end: incomplete bytes become U+FFFD, a held stop-string prefix is text after all."""
         if not self.stopped:
