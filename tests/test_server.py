@@ -376,3 +376,37 @@ def test_api_v0_routes_modes(server):
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     assert spec["stats"]["mode"] == "speculative" and spec["stats"]["loops_used"] == 5
     assert spec["stats"]["total_draft_tokens_count"] > 0 and "mean_accepted_length" in spec["stats"]
+
+
+def test_stop_strings_cut_tokens_and_text_alike(server, tiny_engine):
+    """A matched stop string ends `text` where it begins, and `tokens` after the last token wholly before it —
+    streamed or not; LM Studio's stats say stopStringFound."""
+    free = greedy(tiny_engine, "Stop here", 30, loops=8)
+    pieces = [tiny_engine.token_bytes(t).decode("utf-8", "replace") for t in free.tokens]
+    assert "".join(pieces) == free.text
+    # A stop string that begins inside a token: from the 2nd character of the 6th token to the 3rd of the 7th.
+    i = next(k for k in range(5, 20) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 3)
+    start = len("".join(pieces[:i])) + 1
+    stop = free.text[start:start + len(pieces[i]) - 1 + 3]
+    assert free.text.index(stop) == start
+    body = {"prompt": "Stop here", "max_tokens": 30, "stop": [stop]}
+    r = httpx.post(f"{server}/generate", json=body, timeout=30).json()
+    assert r["text"] == free.text[:start] and r["tokens"] == free.tokens[:i] and r["finish_reason"] == "stop"
+    assert r["stats"]["stop_reason"] == "stopStringFound" and r["stats"]["completion_tokens"] >= i + 2
+    events = sse_events(httpx.post(f"{server}/generate", json={**body, "stream": True}, timeout=30).content)
+    assert [e["token_id"] for e in events[:-1]] == r["tokens"] and "".join(e["text"] for e in events) == r["text"]
+    assert events[-1] == {"token_id": -1, "text": events[-1]["text"], "finish_reason": "stop"}
+    lm = httpx.post(f"{server}/api/v0/completions", json={"model": "m", "prompt": "Stop here", "max_tokens": 30,
+                                                          "temperature": 0, "loops": 8, "stop": stop}, timeout=30).json()
+    assert lm["choices"][0]["text"] == free.text[:start] and lm["stats"]["stop_reason"] == "stopStringFound"
+
+
+def test_native_stop_mixes_strings_and_token_ids(server, tiny_engine):
+    free = greedy(tiny_engine, "Mixed stops", 20, loops=8)
+    by_id = free.tokens[8]
+    late_text = tiny_engine.decode(free.tokens[12:14])
+    r = httpx.post(f"{server}/generate", json={"prompt": "Mixed stops", "max_tokens": 20,
+                                               "stop": [late_text, by_id]}, timeout=30).json()
+    first = free.tokens.index(by_id)
+    assert r["tokens"] == free.tokens[:first] and r["finish_reason"] == "stop"
+    assert r["stats"]["stop_reason"] == "eosFound"  # a stop token ends it as EOS would (LM Studio has no other name)

@@ -240,7 +240,7 @@ def read_gguf(path: str | PathLike[str], raw: bool = False) -> GGUFContents:
     copies them bit for bit). Raises ValueError for a file that is not GGUF or not a tinyloop model."""
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError, KeyError, OverflowError) as e:  # how gguf's reader meets a malformed file
         raise ValueError(f"{path}: not a GGUF file ({e})") from e
     meta: dict[str, tuple] = {}
     for key, field in reader.fields.items():

@@ -116,6 +116,8 @@ class EngineRunner:
     def _drop_cancelled_waiting(self) -> None:
         """Forget waiting jobs whose client went away (caller holds the lock)."""
         if any(j.cancelled for j in self._waiting):
+            for _ in range(sum(j.cancelled for j in self._waiting)):
+                self.metrics.cancel_steps.observe(0)  # it never took a step
             self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
             self.metrics.requests_waiting.set(len(self._waiting))
 
