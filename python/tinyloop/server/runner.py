@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import threading
 import time
@@ -25,6 +26,21 @@ from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStrea
 from .metrics import Metrics
 
 log = logging.getLogger("tinyloop.server")
+
+TRIM_SECONDS = 10.0  # how often a busy engine loop hands freed heap pages back to the system
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None elsewhere. glibc keeps the pages of freed blocks (logits, activations,
+    caches of finished requests) in its arenas, so a server's RSS climbs in steps to the largest mix of requests it
+    has seen and stays there; trimming returns them, so RSS follows the memory actually in use."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
 
 
 class Overloaded(Exception):
@@ -72,6 +88,7 @@ class EngineRunner:
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout  # seconds of wall time per request; 0: no limit
         self.steps = 0  # batched steps run so far
+        self._trimmed = time.monotonic()
         self._closing: str | None = None  # set by `abort_all`: why new work is refused
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -155,6 +172,7 @@ class EngineRunner:
                 if self._running:
                     return []
                 self.metrics.requests_waiting.set(len(self._waiting))
+                self._trim(idle=True)
                 self._cv.wait()
 
     def _loop(self) -> None:
@@ -185,6 +203,13 @@ class EngineRunner:
         self.steps += bool(active)
         self._hand_out(active, results)
         self._update_gauges()
+        self._trim(idle=False)
+
+    def _trim(self, idle: bool) -> None:
+        now = time.monotonic()
+        if _TRIM is not None and (idle or now - self._trimmed > TRIM_SECONDS):
+            _TRIM(0)
+            self._trimmed = now
 
     def _step(self, active: list[Job]) -> list:
         """One batched step; if the batch as a whole fails, each stream steps alone, so that only the stream
