@@ -328,176 +328,181 @@ def _short(x: Any, n: int = 300) -> str:
     return s if len(s) <= n else s[:n] + "…"
 
 
-def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: int = 0, progress: bool = False,
-             request_timeout: float = 120.0, drain_timeout: float = 60.0) -> dict:
-    """Run the soak and return its report (see the module docstring). `progress` shows a tqdm bar;
-    `request_timeout` is the longest wait for any byte of an answer before it counts as a transport error (a hang),
-    `drain_timeout` the longest wait for the gauges to return to 0 at the end."""
-    base = base_url.rstrip("/")
-    timeout = httpx.Timeout(request_timeout, connect=10.0)
-    specs = build_specs(seed)
-    streaming = [s for s in specs.values() if s.stream]
-    non_streaming = [s for s in specs.values() if not s.stream]
-    control = httpx.Client(timeout=10)
+def _problem(kind: str, spec: Spec, **details: Any) -> dict:
+    """A report entry for one request: its type, path and shortened body, then `details` in the order given."""
+    return {"type": kind, "request": f"{spec.path} {_short(spec.body)}", **details}
 
-    # Reference pass: one client, every (type, prompt) once, in turn.
-    t0 = time.perf_counter()
+
+def _mib(kib: float) -> float:
+    return round(kib / 1024, 2)
+
+
+def _reference_pass(base: str, specs: dict[tuple[str, int], Spec],
+                    timeout: httpx.Timeout) -> tuple[dict[tuple[str, int], Any], list[dict]]:
+    """Every (type, prompt) request once, in turn, from one client, so that no other request can influence the
+    answers the soak's are compared with. Returns (output by (type, prompt), the requests that failed)."""
     reference: dict[tuple[str, int], Any] = {}
-    reference_errors = []
+    errors = []
     with httpx.Client() as c:
         for key, spec in specs.items():
             r = execute(c, base, spec, timeout=timeout)
             if r.status == 200 and r.output is not None:
                 reference[key] = r.output
             else:
-                reference_errors.append({"request": f"{spec.path} {_short(spec.body)}", "status": r.status,
-                                         "error": r.error, "body": r.body, "done": r.done})
-    crosschecks, crosscheck_wrong = crosscheck_reference(base, specs, reference, timeout)
-    reference_s = time.perf_counter() - t0
+                errors.append({"request": f"{spec.path} {_short(spec.body)}", "status": r.status,
+                               "error": r.error, "body": r.body, "done": r.done})
+    return reference, errors
 
-    tally = _Tally()
-    for w in crosscheck_wrong:
-        tally.wrong.add(w)
-    before = metrics(control, base)
 
-    def check(spec: Spec, res: Result, kind: str) -> None:
+class _Clients:
+    """What the soak's client threads share: the requests, their reference answers, and the tally they count into
+    (under its lock)."""
+
+    def __init__(self, base: str, timeout: httpx.Timeout, specs: dict[tuple[str, int], Spec],
+                 reference: dict[tuple[str, int], Any], tally: _Tally) -> None:
+        self.base, self.timeout, self.specs, self.reference, self.tally = base, timeout, specs, reference, tally
+        self.streaming = [s for s in specs.values() if s.stream]
+        self.non_streaming = [s for s in specs.values() if not s.stream]
+
+    def one(self, c: httpx.Client, rng: random.Random) -> None:
+        """Send one request of a type drawn from MIX and count what came of it."""
+        kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        started = time.perf_counter()
+        if kind == "cancel_stream":
+            self._cancel_stream(c, rng, kind, started)
+        elif kind == "cancel_nonstream":
+            self._cancel_nonstream(c, rng, kind, started)
+        else:
+            spec = self.specs[kind, rng.randrange(len(PROMPTS))]
+            res = execute(c, self.base, spec, timeout=self.timeout)
+            self._record(kind, spec, res, started, error_events=True)
+
+    def _cancel_stream(self, c: httpx.Client, rng: random.Random, kind: str, started: float) -> None:
+        spec = rng.choice(self.streaming)
+        after = rng.choice([0, 0, 1, 2, 3, 5, 8])
+        if after == 0:  # httpx returns a stream only once the headers are in: closing before them takes a socket
+            self._abandon_before_answer(rng, kind, spec)
+            return
+        res = execute(c, self.base, spec, cancel_after=after, timeout=self.timeout)
+        self._record(kind, spec, res, started, cancel_after=after)
+
+    def _abandon_before_answer(self, rng: random.Random, kind: str, spec: Spec) -> None:
+        partial_body = rng.random() < 0.2
+        try:
+            abandon_raw(self.base, spec, rng, partial_body)
+            err = None
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+        with self.tally.lock:
+            self.tally.count[kind] += 1
+            if err:  # connecting or sending failed: the server was not reachable
+                self.tally.errors.add({"type": kind, "request": spec.path, "error": err})
+            else:
+                self.tally.cancelled["partial_request" if partial_body else "stream_before_first_byte"] += 1
+
+    def _cancel_nonstream(self, c: httpx.Client, rng: random.Random, kind: str, started: float) -> None:
+        spec = rng.choice(self.non_streaming)
+        res = execute(c, self.base, spec, timeout=httpx.Timeout(rng.uniform(0.005, 0.3), connect=10.0))
+        if isinstance(res.error, str) and res.error.startswith(("ReadTimeout", "WriteTimeout")):
+            # The client gave up, as this request type means to: an expected error, and no status to count.
+            with self.tally.lock:
+                self.tally.count[kind] += 1
+                self.tally.cancelled["nonstream_timeout"] += 1
+                self.tally.cancel_errors[res.error.split(":")[0]] += 1
+            return
+        self._record(kind, spec, res, started)  # it finished within the timeout, or failed otherwise
+
+    def _record(self, kind: str, spec: Spec, res: Result, started: float, *, cancel_after: int | None = None,
+                error_events: bool = False) -> None:
+        """Count a request whose answer the client read: whole, or with `cancel_after`, a stream up to that many
+        events. `error_events` adds the number of events read to a transport error's entry."""
+        t = self.tally
+        with t.lock:
+            t.count[kind] += 1
+            t.status[str(res.status)] += 1
+            complete = False
+            if res.status not in (None, 200):
+                t.unexpected_status.add(_problem(kind, spec, status=res.status, body=res.body, error=res.error))
+            elif res.error:
+                t.errors.add(_problem(kind, spec, error=res.error, **({"events": res.events} if error_events else {})))
+            elif spec.stream and not res.done:
+                if cancel_after is not None and res.events >= cancel_after:
+                    t.cancelled["stream_after_events"] += 1
+                else:  # fewer events than the client waited for, and no [DONE]: the server cut the stream short
+                    t.missing_done.add(_problem(kind, spec, events=res.events))
+            else:  # complete; for a stream to cancel, one shorter than `cancel_after` events
+                complete = True
+                t.completed[kind] += 1
+                t.tokens += res.tokens
+                t.durations[kind].append(time.perf_counter() - started)
+            # What a cancelled stream did read must be a prefix of the reference whatever else went wrong; other
+            # answers are compared only when complete (a failed one is already counted as a failure).
+            if complete or cancel_after is not None:
+                self._check(kind, spec, res)
+
+    def _check(self, kind: str, spec: Spec, res: Result) -> None:
         """Compare a complete or partial answer with the reference (caller holds the lock)."""
-        want = reference.get((spec.kind, spec.prompt))
+        want = self.reference.get((spec.kind, spec.prompt))
         if want is None:
             return
         if res.output is not None and res.output != want:
-            tally.wrong.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                             "expected": _short(want), "got": _short(res.output)})
+            self.tally.wrong.add(_problem(kind, spec, expected=_short(want), got=_short(res.output)))
         elif res.output is None and res.partial is not None and not is_prefix(spec, res.partial, want):
-            tally.wrong.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}", "events": res.events,
-                             "expected prefix of": _short(want), "got": _short(res.partial)})
+            self.tally.wrong.add(_problem(kind, spec, events=res.events, **{"expected prefix of": _short(want)},
+                                          got=_short(res.partial)))
 
-    def one(c: httpx.Client, rng: random.Random) -> None:
-        kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
-        t = time.perf_counter()
-        if kind == "cancel_stream":
-            spec = rng.choice(streaming)
-            after = rng.choice([0, 0, 1, 2, 3, 5, 8])
-            if after == 0:
-                partial_body = rng.random() < 0.2
-                try:
-                    abandon_raw(base, spec, rng, partial_body)
-                    err = None
-                except OSError as e:
-                    err = f"{type(e).__name__}: {e}"
-                with tally.lock:
-                    tally.count[kind] += 1
-                    if err:  # connecting or sending failed: the server was not reachable
-                        tally.errors.add({"type": kind, "request": spec.path, "error": err})
-                    else:
-                        tally.cancelled["partial_request" if partial_body else "stream_before_first_byte"] += 1
-                return
-            res = execute(c, base, spec, cancel_after=after, timeout=timeout)
-            with tally.lock:
-                tally.count[kind] += 1
-                tally.status[str(res.status)] += 1
-                if res.status not in (None, 200):
-                    tally.unexpected_status.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                                 "status": res.status, "body": res.body, "error": res.error})
-                elif res.error:
-                    tally.errors.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                      "error": res.error})
-                elif res.done:  # the stream was shorter than `after` events: it was complete
-                    tally.completed[kind] += 1
-                    tally.tokens += res.tokens
-                    tally.durations[kind].append(time.perf_counter() - t)
-                elif res.events >= after:
-                    tally.cancelled["stream_after_events"] += 1
-                else:  # fewer events than the client waited for, and no [DONE]: the server cut the stream short
-                    tally.missing_done.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                            "events": res.events})
-                check(spec, res, kind)
-            return
-        if kind == "cancel_nonstream":
-            spec = rng.choice(non_streaming)
-            res = execute(c, base, spec, timeout=httpx.Timeout(rng.uniform(0.005, 0.3), connect=10.0))
-            with tally.lock:
-                tally.count[kind] += 1
-                if isinstance(res.error, str) and res.error.startswith(("ReadTimeout", "WriteTimeout")):
-                    tally.cancelled["nonstream_timeout"] += 1
-                    tally.cancel_errors[res.error.split(":")[0]] += 1
-                    return
-                tally.status[str(res.status)] += 1
-                if res.status not in (None, 200):
-                    tally.unexpected_status.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                                 "status": res.status, "body": res.body, "error": res.error})
-                elif res.error:
-                    tally.errors.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                      "error": res.error})
-                else:  # it finished within the timeout
-                    tally.completed[kind] += 1
-                    tally.tokens += res.tokens
-                    tally.durations[kind].append(time.perf_counter() - t)
-                    check(spec, res, kind)
-            return
-        spec = specs[kind, rng.randrange(len(PROMPTS))]
-        res = execute(c, base, spec, timeout=timeout)
-        with tally.lock:
-            tally.count[kind] += 1
-            tally.status[str(res.status)] += 1
-            if res.status not in (None, 200):
-                tally.unexpected_status.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                             "status": res.status, "body": res.body, "error": res.error})
-            elif res.error:
-                tally.errors.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}", "error": res.error,
-                                  "events": res.events})
-            elif spec.stream and not res.done:
-                tally.missing_done.add({"type": kind, "request": f"{spec.path} {_short(spec.body)}",
-                                        "events": res.events})
-            else:
-                tally.completed[kind] += 1
-                tally.tokens += res.tokens
-                tally.durations[kind].append(time.perf_counter() - t)
-                check(spec, res, kind)
 
+def _sample(rss: list[tuple[float, int]], start: float, seconds: float, pid: int, tally: _Tally,
+            stop: threading.Event, progress: bool) -> None:
+    """Append (seconds since `start`, server RSS in KiB) to `rss` every second until `stop` is set; with
+    `progress`, show a tqdm bar with the request and problem counts so far."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=round(seconds), unit="s", desc="soak", leave=True)
+    shown = 0
+    while True:
+        now = time.perf_counter() - start
+        rss.append((now, tree_rss_kib(pid)))
+        if bar is not None:
+            step = min(round(seconds), int(now)) - shown
+            if step > 0:
+                bar.update(step)
+                shown += step
+            with tally.lock:
+                bad = (tally.wrong.total + tally.errors.total + tally.unexpected_status.total
+                       + tally.missing_done.total)
+                bar.set_postfix(requests=sum(tally.count.values()), rss_mib=round(rss[-1][1] / 1024, 1),
+                                problems=bad, refresh=False)
+        if stop.wait(1.0):
+            break
+    if bar is not None:
+        bar.close()
+
+
+def _run_clients(clients: _Clients, n: int, seconds: float, seed: int, pid: int,
+                 progress: bool) -> tuple[float, list[tuple[float, int]]]:
+    """`n` client threads sending requests for `seconds` while the server's RSS is sampled. Returns (elapsed
+    seconds, RSS samples as (seconds since start, KiB))."""
     start = time.perf_counter()
     deadline = start + seconds
     stop = threading.Event()
+    rss: list[tuple[float, int]] = []
 
     def client_loop(i: int) -> None:
         rng = random.Random(f"client-{seed}-{i}")
         with httpx.Client() as c:
             while time.perf_counter() < deadline:
                 try:
-                    one(c, rng)
+                    clients.one(c, rng)
                 except Exception as e:  # noqa: BLE001 - a driver bug must show in the report, not kill the thread
-                    with tally.lock:
-                        tally.errors.add({"type": "driver", "error": f"{type(e).__name__}: {e}"})
+                    with clients.tally.lock:
+                        clients.tally.errors.add({"type": "driver", "error": f"{type(e).__name__}: {e}"})
 
-    rss: list[tuple[float, int]] = []  # (seconds since start, KiB)
-
-    def sampler() -> None:
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=round(seconds), unit="s", desc="soak", leave=True)
-        shown = 0
-        while True:
-            now = time.perf_counter() - start
-            rss.append((now, tree_rss_kib(pid)))
-            if bar is not None:
-                step = min(round(seconds), int(now)) - shown
-                if step > 0:
-                    bar.update(step)
-                    shown += step
-                with tally.lock:
-                    bad = (tally.wrong.total + tally.errors.total + tally.unexpected_status.total
-                           + tally.missing_done.total)
-                    bar.set_postfix(requests=sum(tally.count.values()), rss_mib=round(rss[-1][1] / 1024, 1),
-                                    problems=bad, refresh=False)
-            if stop.wait(1.0):
-                break
-        if bar is not None:
-            bar.close()
-
-    threads = [threading.Thread(target=client_loop, args=(i,), name=f"soak-client-{i}") for i in range(clients)]
-    sampling = threading.Thread(target=sampler, name="soak-rss", daemon=True)
+    threads = [threading.Thread(target=client_loop, args=(i,), name=f"soak-client-{i}") for i in range(n)]
+    sampling = threading.Thread(target=_sample, args=(rss, start, seconds, pid, clients.tally, stop, progress),
+                                name="soak-rss", daemon=True)
     sampling.start()
     for t in threads:
         t.start()
@@ -506,15 +511,19 @@ def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: i
     elapsed = time.perf_counter() - start
     stop.set()
     sampling.join()
+    return elapsed, rss
 
-    # Drain: every request the server still holds (abandoned ones included) must leave.
-    drain_start = time.perf_counter()
-    zero_reads, snap, drain_error = 0, {}, None
-    while time.perf_counter() - drain_start < drain_timeout:
+
+def _drain(control: httpx.Client, base: str, drain_timeout: float) -> tuple[bool, float, dict, str | None]:
+    """Wait for every request the server still holds (abandoned ones included) to leave. Returns (drained, seconds
+    waited, the last metrics snapshot ({} if none was read), the error that ended the wait early)."""
+    start = time.perf_counter()
+    zero_reads, snap, error = 0, {}, None
+    while time.perf_counter() - start < drain_timeout:
         try:
             snap = metrics(control, base)
         except (httpx.HTTPError, ValueError) as e:  # the server is gone: the report says so
-            drain_error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
             break
         if snap.get("tinyloop_requests_running") == 0 and snap.get("tinyloop_requests_waiting") == 0:
             zero_reads += 1
@@ -523,38 +532,28 @@ def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: i
         else:
             zero_reads = 0
         time.sleep(0.25)
-    drained = zero_reads == 2
-    drain_s = time.perf_counter() - drain_start
-    rss_after_drain = tree_rss_kib(pid)
-    after = snap
-    control.close()
+    return zero_reads == 2, time.perf_counter() - start, snap, error
 
-    def mib(kib: float) -> float:
-        return round(kib / 1024, 2)
 
-    warm_t = 0.2 * elapsed
-    warm = next((v for t, v in rss if t >= warm_t), rss[-1][1])
-    soak_rss = [v for _, v in rss]
-    end_rss = soak_rss[-1]
+def _counts_report(tally: _Tally, elapsed: float, before: dict, after: dict) -> dict:
+    """The report's request counts, problems and token rates (`before`/`after`: the server's metrics around the
+    soak; `after` is {} when the server could not be read)."""
     server_tokens = (after["tinyloop_generation_tokens_total"] - before["tinyloop_generation_tokens_total"]
                      if after else None)
     server_5xx = {k: v - _server_5xx(before).get(k, 0) for k, v in _server_5xx(after).items()}
-    server_5xx = {k: v for k, v in server_5xx.items() if v}
-    fivexx = sum(n for s, n in tally.status.items() if s.startswith("5"))
-    step = max(1, len(rss) // 120)
+    d = tally.durations
     return {
-        "seconds": seconds, "elapsed_s": round(elapsed, 2), "clients": clients, "seed": seed,
         "requests": sum(tally.count.values()),
         "completed": sum(tally.completed.values()),
         "by_type": {k: {"requests": tally.count[k], "completed": tally.completed[k],
-                        "p50_s": _pct(tally.durations[k], 0.5), "p99_s": _pct(tally.durations[k], 0.99),
-                        "max_s": round(max(tally.durations[k]), 4) if tally.durations[k] else None}
+                        "p50_s": _pct(d[k], 0.5), "p99_s": _pct(d[k], 0.99),
+                        "max_s": round(max(d[k]), 4) if d[k] else None}
                     for k in MIX},
         "cancelled": dict(tally.cancelled),
         "cancelled_transport_errors": dict(tally.cancel_errors),
         "status_codes": dict(tally.status),
-        "5xx": fivexx,
-        "server_5xx": server_5xx,
+        "5xx": sum(n for s, n in tally.status.items() if s.startswith("5")),
+        "server_5xx": {k: v for k, v in server_5xx.items() if v},
         "wrong_outputs": tally.wrong.total, "wrong": tally.wrong.items,
         "transport_errors": tally.errors.total, "errors": tally.errors.items,
         "unexpected_status": tally.unexpected_status.total,
@@ -564,11 +563,55 @@ def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: i
         "tokens_per_s": round(tally.tokens / elapsed, 1),
         "server_generated_tokens": server_tokens,
         "server_tokens_per_s": round(server_tokens / elapsed, 1) if server_tokens is not None else None,
-        "rss_mib": {"start": mib(soak_rss[0]), "warmup_end": mib(warm), "end": mib(end_rss),
-                    "max": mib(max(soak_rss)), "after_drain": mib(rss_after_drain)},
+    }
+
+
+def _rss_report(rss: list[tuple[float, int]], elapsed: float, rss_after_drain: int) -> dict:
+    """The report's RSS figures. Growth is measured from the end of a warm-up (the first 20% of the soak), by
+    which time caches and pools have reached their working size."""
+    warm_t = 0.2 * elapsed
+    warm = next((v for t, v in rss if t >= warm_t), rss[-1][1])
+    soak_rss = [v for _, v in rss]
+    end_rss = soak_rss[-1]
+    step = max(1, len(rss) // 120)  # about 120 samples, whatever the length of the soak
+    return {
+        "rss_mib": {"start": _mib(soak_rss[0]), "warmup_end": _mib(warm), "end": _mib(end_rss),
+                    "max": _mib(max(soak_rss)), "after_drain": _mib(rss_after_drain)},
         "rss_change_after_warmup": round((end_rss - warm) / warm, 4) if warm else None,
-        "rss_samples_mib": [(round(t, 1), mib(v)) for t, v in rss[::step]],
+        "rss_samples_mib": [(round(t, 1), _mib(v)) for t, v in rss[::step]],
         "server_gone": rss_after_drain == 0,
+    }
+
+
+def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: int = 0, progress: bool = False,
+             request_timeout: float = 120.0, drain_timeout: float = 60.0) -> dict:
+    """Run the soak and return its report (see the module docstring). `progress` shows a tqdm bar;
+    `request_timeout` is the longest wait for any byte of an answer before it counts as a transport error (a hang),
+    `drain_timeout` the longest wait for the gauges to return to 0 at the end."""
+    base = base_url.rstrip("/")
+    timeout = httpx.Timeout(request_timeout, connect=10.0)
+    specs = build_specs(seed)
+    control = httpx.Client(timeout=10)
+
+    t0 = time.perf_counter()
+    reference, reference_errors = _reference_pass(base, specs, timeout)
+    crosschecks, crosscheck_wrong = crosscheck_reference(base, specs, reference, timeout)
+    reference_s = time.perf_counter() - t0
+
+    tally = _Tally()
+    for w in crosscheck_wrong:
+        tally.wrong.add(w)
+    before = metrics(control, base)
+    elapsed, rss = _run_clients(_Clients(base, timeout, specs, reference, tally), clients, seconds, seed, pid,
+                                progress)
+    drained, drain_s, after, drain_error = _drain(control, base, drain_timeout)
+    rss_after_drain = tree_rss_kib(pid)
+    control.close()
+
+    return {
+        "seconds": seconds, "elapsed_s": round(elapsed, 2), "clients": clients, "seed": seed,
+        **_counts_report(tally, elapsed, before, after),
+        **_rss_report(rss, elapsed, rss_after_drain),
         "drained": drained, "drain_s": round(drain_s, 2), "drain_error": drain_error,
         "final_gauges": {"tinyloop_requests_running": after.get("tinyloop_requests_running"),
                          "tinyloop_requests_waiting": after.get("tinyloop_requests_waiting"),
