@@ -1,19 +1,25 @@
-//! Reads and validates a `.tinyloop` file (GGUF v3, layout in docs/format.md) with candle's GGUF reader.
-//! Every problem is a typed error naming the key or tensor; nothing here panics on bad input.
+//! Reads and validates a `.tinyloop` file (GGUF v3, layout in docs/format.md); `gguf` reads the container.
+//! Every problem is a typed error naming the key or tensor; nothing here panics on bad input, and nothing is
+//! allocated for a length or count the file declares before that length is known to fit in the file.
+
+mod gguf;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek};
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::Device;
 
 use crate::error::{Error, Result};
+use gguf::{Gguf, Source, Value};
 
 pub const ARCH: &str = "tinyloop";
 pub const MAX_LOOPS: usize = 64;
+/// Bounds of `tinyloop.block_count` and `tinyloop.prelude_count`.
+const MAX_LAYERS: usize = 256;
+/// Tensors of the largest model the bounds allow: embeddings, final norm, head, nine per layer.
+const MAX_TENSORS: u64 = 3 + 9 * 2 * MAX_LAYERS as u64;
 
 /// The model's shape, from the `tinyloop.*` keys.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,7 +66,7 @@ pub struct ModelFile {
 
 struct Reader<'a> {
     path: &'a Path,
-    content: &'a Content,
+    metadata: HashMap<String, Value>,
 }
 
 impl Reader<'_> {
@@ -69,7 +75,7 @@ impl Reader<'_> {
     }
 
     fn get(&self, key: &str) -> Result<&Value> {
-        self.content.metadata.get(key).ok_or_else(|| self.err(key, "required key is missing"))
+        self.metadata.get(key).ok_or_else(|| self.err(key, "required key is missing"))
     }
 
     fn uint(&self, key: &str) -> Result<u64> {
@@ -86,8 +92,7 @@ impl Reader<'_> {
 
     fn float(&self, key: &str) -> Result<f64> {
         match self.get(key)? {
-            Value::F32(v) => Ok(*v as f64),
-            Value::F64(v) => Ok(*v),
+            Value::Float(v) => Ok(*v),
             v => as_u64(v).map(|u| u as f64).ok_or_else(|| self.err(key, "expected a number")),
         }
     }
@@ -99,42 +104,50 @@ impl Reader<'_> {
         }
     }
 
-    fn strings(&self, key: &str) -> Result<Vec<String>> {
-        let Value::Array(items) = self.get(key)? else { return Err(self.err(key, "expected an array")) };
-        items
-            .iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s.clone()),
-                _ => Err(self.err(key, "expected an array of strings")),
-            })
-            .collect()
+    /// A string array, moved out of the metadata (the vocabulary is its largest part: no second copy).
+    fn take_strings(&mut self, key: &str) -> Result<Vec<String>> {
+        match self.metadata.remove(key) {
+            Some(Value::Strings(items)) => Ok(items),
+            Some(v) if is_empty_array(&v) => Ok(Vec::new()),
+            Some(_) => Err(self.err(key, "expected an array of strings")),
+            None => Err(self.err(key, "required key is missing")),
+        }
+    }
+
+    /// Length of an array, so a caller can check it before the elements are decoded.
+    fn array_len(&self, key: &str) -> Result<usize> {
+        match self.get(key)? {
+            Value::Ints(a) => Ok(a.count()),
+            Value::Strings(s) => Ok(s.len()),
+            Value::Skipped(n) => Ok(*n as usize),
+            _ => Err(self.err(key, "expected an array")),
+        }
     }
 
     fn ints(&self, key: &str) -> Result<Vec<i64>> {
-        let Value::Array(items) = self.get(key)? else { return Err(self.err(key, "expected an array")) };
-        items.iter().map(|v| as_i64(v).ok_or_else(|| self.err(key, "expected an array of integers"))).collect()
+        match self.get(key)? {
+            Value::Ints(a) => a.iter().map(|i| i64::try_from(i).map_err(|_| self.err(key, format!("{i} is out of range")))).collect(),
+            v if is_empty_array(v) => Ok(Vec::new()),
+            _ => Err(self.err(key, "expected an array of integers")),
+        }
+    }
+}
+
+/// An empty array is one of strings and one of integers, whatever element type the writer gave it.
+fn is_empty_array(v: &Value) -> bool {
+    match v {
+        Value::Ints(a) => a.count() == 0,
+        Value::Strings(s) => s.is_empty(),
+        Value::Skipped(n) => *n == 0,
+        _ => false,
     }
 }
 
 fn as_u64(v: &Value) -> Option<u64> {
-    as_i64(v).and_then(|i| u64::try_from(i).ok()).or(match v {
-        Value::U64(u) => Some(*u),
+    match v {
+        Value::Int(i) => u64::try_from(*i).ok(),
         _ => None,
-    })
-}
-
-fn as_i64(v: &Value) -> Option<i64> {
-    Some(match v {
-        Value::U8(x) => *x as i64,
-        Value::I8(x) => *x as i64,
-        Value::U16(x) => *x as i64,
-        Value::I16(x) => *x as i64,
-        Value::U32(x) => *x as i64,
-        Value::I32(x) => *x as i64,
-        Value::I64(x) => *x,
-        Value::U64(x) => i64::try_from(*x).ok()?,
-        _ => return None,
-    })
+    }
 }
 
 fn read_config(r: &Reader) -> Result<Config> {
@@ -171,8 +184,8 @@ fn read_config(r: &Reader) -> Result<Config> {
         head_dim: dim / n_heads,
         rms_eps,
         rope_theta: rope_theta as f32,
-        block_count: r.usize_in(&k("block_count"), 1, 256)?,
-        prelude_count: r.usize_in(&k("prelude_count"), 0, 256)?,
+        block_count: r.usize_in(&k("block_count"), 1, MAX_LAYERS as u64)?,
+        prelude_count: r.usize_in(&k("prelude_count"), 0, MAX_LAYERS as u64)?,
         default_loops: r.usize_in(&k("loops.default"), 1, MAX_LOOPS as u64)?,
         max_trained_loops: r.usize_in(&k("loops.max_trained"), 1, MAX_LOOPS as u64)?,
         vocab_size: 0, // set from the tokenizer below
@@ -180,7 +193,7 @@ fn read_config(r: &Reader) -> Result<Config> {
     })
 }
 
-fn read_vocab(r: &Reader) -> Result<VocabData> {
+fn read_vocab(r: &mut Reader) -> Result<VocabData> {
     let model = r.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(r.err("tokenizer.ggml.model", format!("is {model:?}; only \"gpt2\" byte-level BPE is supported")));
@@ -189,12 +202,13 @@ fn read_vocab(r: &Reader) -> Result<VocabData> {
     if pre != "gpt-2" {
         return Err(r.err("tokenizer.ggml.pre", format!("is {pre:?}; only \"gpt-2\" is supported")));
     }
-    let tokens = r.strings("tokenizer.ggml.tokens")?;
-    let token_types = r.ints("tokenizer.ggml.token_type")?;
-    if token_types.len() != tokens.len() {
-        return Err(r.err("tokenizer.ggml.token_type", format!("{} entries for {} tokens", token_types.len(), tokens.len())));
+    let tokens = r.take_strings("tokenizer.ggml.tokens")?;
+    let n_types = r.array_len("tokenizer.ggml.token_type")?;
+    if n_types != tokens.len() {
+        return Err(r.err("tokenizer.ggml.token_type", format!("{n_types} entries for {} tokens", tokens.len())));
     }
-    let merges = r.strings("tokenizer.ggml.merges")?;
+    let token_types = r.ints("tokenizer.ggml.token_type")?;
+    let merges = r.take_strings("tokenizer.ggml.merges")?;
     let n = tokens.len() as u64;
     let id = |key: &str| -> Result<u32> {
         let v = r.uint(key)?;
@@ -209,8 +223,13 @@ fn read_vocab(r: &Reader) -> Result<VocabData> {
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
 fn read_draft_ids(r: &Reader, vocab_size: usize) -> Result<Option<Vec<u32>>> {
     const KEY: &str = "tinyloop.draft.token_ids";
-    if !r.content.metadata.contains_key(KEY) {
+    if !r.metadata.contains_key(KEY) {
         return Ok(None);
+    }
+    // Distinct ids below the vocabulary size are at most that many: refuse a longer list before decoding it.
+    let n = r.array_len(KEY)?;
+    if n > vocab_size {
+        return Err(r.err(KEY, format!("{n} ids for a {vocab_size}-token vocabulary")));
     }
     let ids = r.ints(KEY)?;
     let mut seen = std::collections::HashSet::new();
@@ -283,53 +302,253 @@ pub fn load(path: &Path) -> Result<ModelFile> {
         std::io::ErrorKind::NotFound => Error::NotFound(path.to_path_buf()),
         _ => Error::NotGguf { path: path.to_path_buf(), reason: e.to_string() },
     })?;
-    let mut reader = BufReader::new(file);
-    let content = Content::read(&mut reader)
-        .map_err(|e| Error::NotGguf { path: path.to_path_buf(), reason: e.to_string() })?;
-    let r = Reader { path, content: &content };
+    load_from(path, BufReader::new(file))
+}
+
+/// `load` on any seekable source; `path` names it in errors.
+fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
+    let not_gguf = |reason: String| Error::NotGguf { path: path.to_path_buf(), reason };
+    let mut src = Source::new(reader).map_err(|e| not_gguf(e.to_string()))?;
+    let Gguf { metadata, tensors: infos, data_offset } = gguf::read(&mut src, MAX_TENSORS).map_err(not_gguf)?;
+    let mut r = Reader { path, metadata };
     let mut config = read_config(&r)?;
-    let vocab = read_vocab(&r)?;
+    let vocab = read_vocab(&mut r)?;
     config.vocab_size = vocab.tokens.len();
 
-    let tied = !content.tensor_infos.contains_key("output.weight");
+    let tied = !infos.contains_key("output.weight");
     let expected = expected_tensors(&config, tied);
-    if let Some(extra) = content.tensor_infos.keys().filter(|n| !expected.contains_key(*n)).min() {
+    if let Some(extra) = infos.keys().filter(|n| !expected.contains_key(*n)).min() {
         return Err(r.err(format!("tensor {extra}"), "not part of a tinyloop model with this config"));
     }
     let mut tensors = HashMap::new();
     let mut block_types = Vec::new();
     for (name, shape) in &expected {
-        let info = content.tensor_infos.get(name).ok_or_else(|| r.err(format!("tensor {name}"), "missing"))?;
-        let got = info.shape.dims();
-        if got != shape.as_slice() {
-            let reason = if name == "token_embd.weight" && got.len() == 2 && got[1] == shape[1] {
-                format!("has {} rows but the vocabulary has {} tokens", got[0], shape[0])
-            } else {
-                format!("shape {got:?}, expected {shape:?}")
-            };
-            return Err(r.err(format!("tensor {name}"), reason));
-        }
-        if !allowed(info.ggml_dtype, shape.len()) {
-            return Err(r.err(format!("tensor {name}"), format!("unsupported type {:?}", info.ggml_dtype)));
-        }
-        let block = info.ggml_dtype.block_size();
-        if shape[shape.len() - 1] % block != 0 {
-            return Err(r.err(format!("tensor {name}"), format!("rows of {} values are not a multiple of {:?}'s block of {block}", shape[shape.len() - 1], info.ggml_dtype)));
-        }
-        let t = info
-            .read(&mut reader, content.tensor_data_offset, &Device::Cpu)
-            .map_err(|e| r.err(format!("tensor {name}"), format!("cannot read data ({e}); is the file truncated?")))?;
+        let info = infos.get(name).ok_or_else(|| r.err(format!("tensor {name}"), "missing"))?;
+        check_tensor(&r, name, info, shape)?;
+        let t = gguf::read_tensor(&mut src, info, data_offset).map_err(|e| r.err(format!("tensor {name}"), e))?;
         if name.starts_with("blk.") && shape.len() == 2 {
-            block_types.push((info.ggml_dtype, shape.iter().product::<usize>()));
+            block_types.push((info.dtype, shape.iter().product::<usize>()));
         }
         tensors.insert(name.clone(), t);
     }
-    let mut by_label: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
-    for (t, n) in &block_types {
+    let quant = majority_label(&block_types);
+    let draft_ids = read_draft_ids(&r, config.vocab_size)?;
+    Ok(ModelFile { config, vocab, tensors, quant, draft_ids })
+}
+
+/// A tensor the config implies has that shape, a type allowed for its rank, and rows of whole blocks.
+fn check_tensor(r: &Reader, name: &str, info: &gguf::TensorInfo, shape: &[usize]) -> Result<()> {
+    let got = info.dims.as_slice();
+    if got != shape {
+        let reason = if name == "token_embd.weight" && got.len() == 2 && got[1] == shape[1] {
+            format!("has {} rows but the vocabulary has {} tokens", got[0], shape[0])
+        } else {
+            format!("shape {got:?}, expected {shape:?}")
+        };
+        return Err(r.err(format!("tensor {name}"), reason));
+    }
+    if !allowed(info.dtype, shape.len()) {
+        return Err(r.err(format!("tensor {name}"), format!("unsupported type {:?}", info.dtype)));
+    }
+    let (block, row) = (info.dtype.block_size(), shape.last().copied().unwrap_or(1));
+    if row % block != 0 {
+        return Err(r.err(format!("tensor {name}"), format!("rows of {row} values are not a multiple of {:?}'s block of {block}", info.dtype)));
+    }
+    Ok(())
+}
+
+/// The label of the type holding most of the looped block's weights; "mixed" when none holds a majority.
+fn majority_label(block_types: &[(GgmlDType, usize)]) -> String {
+    let mut by_label: BTreeMap<&str, usize> = BTreeMap::new();
+    for (t, n) in block_types {
         *by_label.entry(quant_label(*t)).or_default() += n;
     }
     let total: usize = by_label.values().sum();
-    let quant = by_label.iter().find(|(_, &n)| 2 * n > total).map_or("mixed", |(l, _)| *l).to_string();
-    let draft_ids = read_draft_ids(&r, config.vocab_size)?;
-    Ok(ModelFile { config, vocab, tensors, quant, draft_ids })
+    by_label.iter().find(|(_, &n)| 2 * n > total).map_or("mixed", |(l, _)| *l).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gguf::tests::Writer;
+    use super::*;
+    use std::io::Cursor;
+
+    enum V<'a> {
+        U32(u32),
+        F32(f32),
+        Str(&'a str),
+        Strs(&'a [&'a str]),
+        I32s(&'a [i32]),
+    }
+
+    fn put(w: &mut Writer, key: &str, v: &V) {
+        match v {
+            V::U32(x) => w.key(key, 4).u32(*x),
+            V::F32(x) => w.key(key, 6).u32(x.to_bits()),
+            V::Str(s) => w.key(key, 8).str(s),
+            V::Strs(items) => items.iter().fold(w.key(key, 9).u32(8).u64(items.len() as u64), |w, s| w.str(s)),
+            V::I32s(items) => items.iter().fold(w.key(key, 9).u32(5).u64(items.len() as u64), |w, &i| w.u32(i as u32)),
+        };
+    }
+
+    fn config(dim: usize, ffn_dim: usize) -> Config {
+        Config {
+            name: "m".into(),
+            context_length: 16,
+            dim,
+            ffn_dim,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: dim,
+            rms_eps: 1e-5,
+            rope_theta: 1e4,
+            block_count: 1,
+            prelude_count: 0,
+            default_loops: 1,
+            max_trained_loops: 1,
+            vocab_size: 1,
+            file_type: 0,
+        }
+    }
+
+    /// A one-token, one-layer F32 model of width `dim`; without `data` the file ends where the tensor data would
+    /// start, so every tensor it declares lies past its end.
+    fn model(dim: usize, ffn_dim: usize, data: bool) -> Vec<u8> {
+        let u = |x: usize| V::U32(x as u32);
+        let kvs = [
+            ("general.architecture", V::Str(ARCH)),
+            ("general.name", V::Str("m")),
+            ("general.file_type", u(0)),
+            ("tinyloop.context_length", u(16)),
+            ("tinyloop.embedding_length", u(dim)),
+            ("tinyloop.feed_forward_length", u(ffn_dim)),
+            ("tinyloop.attention.head_count", u(1)),
+            ("tinyloop.attention.head_count_kv", u(1)),
+            ("tinyloop.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+            ("tinyloop.rope.freq_base", V::F32(1e4)),
+            ("tinyloop.block_count", u(1)),
+            ("tinyloop.prelude_count", u(0)),
+            ("tinyloop.loops.default", u(1)),
+            ("tinyloop.loops.max_trained", u(1)),
+            ("tokenizer.ggml.model", V::Str("gpt2")),
+            ("tokenizer.ggml.pre", V::Str("gpt-2")),
+            ("tokenizer.ggml.tokens", V::Strs(&["a"])),
+            ("tokenizer.ggml.token_type", V::I32s(&[1])),
+            ("tokenizer.ggml.merges", V::Strs(&[])),
+            ("tokenizer.ggml.bos_token_id", u(0)),
+            ("tokenizer.ggml.eos_token_id", u(0)),
+            ("tinyloop.draft.token_ids", V::I32s(&[0])),
+        ];
+        let tensors = expected_tensors(&config(dim, ffn_dim), true);
+        let mut w = Writer::default();
+        w.header(tensors.len() as u64, kvs.len() as u64);
+        for (key, v) in &kvs {
+            put(&mut w, key, v);
+        }
+        let (mut offset, mut end) = (0u64, 0u64);
+        for (name, shape) in &tensors {
+            w.tensor_info(name, &shape.iter().map(|&d| d as u64).collect::<Vec<_>>(), 0, offset);
+            end = offset + shape.iter().product::<usize>() as u64 * 4;
+            offset = end.next_multiple_of(32);
+        }
+        w.pad_to(32);
+        if data {
+            w.buf.resize(w.buf.len() + end as usize, 0); // the last tensor unpadded: every byte is needed
+        }
+        w.buf
+    }
+
+    fn load_bytes(bytes: &[u8]) -> Result<ModelFile> {
+        load_from(Path::new("m.tinyloop"), Cursor::new(bytes))
+    }
+
+    fn load_err(bytes: &[u8]) -> String {
+        match load_bytes(bytes) {
+            Ok(_) => panic!("loaded"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Overwrite the 8 bytes `skip` bytes after the first occurrence of `needle`.
+    fn patch_u64(bytes: &mut [u8], needle: &[u8], skip: usize, value: u64) {
+        let at = bytes.windows(needle.len()).position(|w| w == needle).expect("needle") + needle.len() + skip;
+        bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+
+    #[test]
+    fn minimal_model_loads() {
+        let m = load_bytes(&model(2, 1, true)).unwrap();
+        assert_eq!((m.config.dim, m.config.vocab_size, m.tensors.len(), m.quant.as_str()), (2, 1, 11, "fp16"));
+        assert_eq!(m.draft_ids, Some(vec![0]));
+    }
+
+    #[test]
+    fn declared_tensor_bigger_than_the_file_is_refused_before_reading() {
+        // dim 65536 and ffn 2^18 are within bounds: blk.0.attn_k alone declares 16 GiB in a 2 KB file.
+        let bytes = model(1 << 16, 1 << 18, false);
+        assert!(bytes.len() < 4096);
+        let e = load_err(&bytes);
+        assert!(e.contains("tensor blk.0.attn_k.weight: data of shape [65536, 65536] (F32): 17179869184 bytes needed"), "{e}");
+        assert!(e.contains("truncated"), "{e}");
+        // Data cut anywhere: the tensor it cuts is named.
+        let full = model(2, 1, true);
+        let e = load_err(&full[..full.len() - 1]);
+        assert!(e.contains("tensor token_embd.weight") && e.contains("truncated"), "{e}");
+    }
+
+    #[test]
+    fn string_or_array_length_larger_than_the_file_is_refused() {
+        for huge in [u64::MAX, 1 << 40, 1 << 20] {
+            let mut bytes = model(2, 1, true);
+            patch_u64(&mut bytes, b"general.name", 4, huge); // the string's length
+            let e = load_err(&bytes);
+            assert!(e.contains("not a GGUF file: key general.name: "), "{e}");
+            let mut bytes = model(2, 1, true);
+            patch_u64(&mut bytes, b"tokenizer.ggml.tokens", 8, huge); // the array's count
+            let e = load_err(&bytes);
+            assert!(e.contains("key tokenizer.ggml.tokens: an array of"), "{e}");
+            let mut bytes = model(2, 1, true);
+            patch_u64(&mut bytes, b"GGUF", 4 + 8, huge); // the metadata count
+            assert!(load_err(&bytes).contains("the header's"));
+        }
+    }
+
+    #[test]
+    fn overflowing_shape_product_is_a_shape_error() {
+        for dims in [[1u64 << 32, 1 << 32], [1 << 62, 4], [u64::MAX, u64::MAX]] {
+            let mut bytes = model(2, 1, true);
+            // blk.0.attn_q.weight's info: name, then the dimension count, then its two dims.
+            patch_u64(&mut bytes, b"blk.0.attn_q.weight", 4, dims[0]);
+            patch_u64(&mut bytes, b"blk.0.attn_q.weight", 12, dims[1]);
+            let e = load_err(&bytes);
+            assert!(e.contains("tensor blk.0.attn_q.weight: shape ["), "{e}");
+            assert!(e.contains("expected [2, 2]"), "{e}");
+        }
+    }
+
+    #[test]
+    fn array_longer_than_the_vocabulary_is_refused_before_decoding() {
+        let mut w = Writer::default();
+        w.key("tokenizer.ggml.token_type", 9).u32(0).u64(1 << 20);
+        w.buf.resize(w.buf.len() + (1 << 20), 1);
+        let mut bytes = model(2, 1, true);
+        let at = bytes.windows(25).position(|x| x == b"tokenizer.ggml.token_type").unwrap() - 8;
+        let end = at + 8 + 25 + 4 + 4 + 8 + 4;
+        bytes.splice(at..end, w.buf);
+        assert!(load_err(&bytes).contains("tokenizer.ggml.token_type: 1048576 entries for 1 tokens"));
+    }
+
+    #[test]
+    fn every_truncation_and_bit_flip_is_an_error_or_a_model() {
+        let bytes = model(2, 1, true);
+        for n in 0..bytes.len() {
+            assert!(load_bytes(&bytes[..n]).is_err(), "prefix {n}");
+        }
+        let mut flipped = bytes.clone();
+        for bit in 0..bytes.len() * 8 {
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            let _ = load_bytes(&flipped);
+            flipped[bit / 8] ^= 1 << (bit % 8);
+        }
+    }
 }

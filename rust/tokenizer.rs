@@ -15,6 +15,9 @@ use crate::loader::VocabData;
 
 const GPT2_PATTERN: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s";
 const TOKEN_TYPE_CONTROL: i64 = 3;
+/// Control tokens become one alternation regex, which costs kilobytes per token to build; GPT-2 has one, and
+/// vocabularies that reserve many have a few hundred.
+pub const MAX_CONTROL_TOKENS: usize = 1024;
 
 pub struct Tokenizer {
     bpe: CoreBPE,
@@ -40,6 +43,21 @@ fn unicode_to_byte() -> HashMap<char, u8> {
     map
 }
 
+/// Register control token `id`. An empty one would match everywhere without advancing (tiktoken's encode then
+/// loops forever when special tokens are allowed); two with the same text would make one of them unreachable.
+fn add_control(specials: &mut FxHashMap<String, u32>, tok: &str, id: u32) -> Result<()> {
+    if tok.is_empty() {
+        return Err(Error::Tokenizer(format!("control token {id} is empty")));
+    }
+    if let Some(prev) = specials.insert(tok.to_string(), id) {
+        return Err(Error::Tokenizer(format!("control tokens {prev} and {id} are both {tok:?}")));
+    }
+    if specials.len() > MAX_CONTROL_TOKENS {
+        return Err(Error::Tokenizer(format!("more than {MAX_CONTROL_TOKENS} control tokens")));
+    }
+    Ok(())
+}
+
 impl Tokenizer {
     pub fn from_vocab(v: &VocabData) -> Result<Self> {
         let table = unicode_to_byte();
@@ -54,7 +72,7 @@ impl Tokenizer {
         for (id, (tok, ty)) in v.tokens.iter().zip(&v.token_types).enumerate() {
             let id = id as u32;
             if *ty == TOKEN_TYPE_CONTROL {
-                specials_map.insert(tok.clone(), id);
+                add_control(&mut specials_map, tok, id)?;
                 bytes.push(tok.as_bytes().to_vec());
             } else {
                 let b = spell(tok)?;
@@ -114,5 +132,48 @@ impl Tokenizer {
     /// Decode to text; invalid UTF-8 (a sequence cut mid-character) becomes U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 256 byte tokens, then `controls` (type 3); no merges.
+    fn vocab(controls: &[&str]) -> VocabData {
+        let mut by_byte: Vec<(u8, char)> = unicode_to_byte().into_iter().map(|(c, b)| (b, c)).collect();
+        by_byte.sort();
+        let mut tokens: Vec<String> = by_byte.iter().map(|(_, c)| c.to_string()).collect();
+        tokens.extend(controls.iter().map(|s| s.to_string()));
+        let token_types = (0..tokens.len()).map(|i| if i < 256 { 1 } else { TOKEN_TYPE_CONTROL }).collect();
+        VocabData { tokens, token_types, merges: vec![], bos_token_id: 0, eos_token_id: 0 }
+    }
+
+    fn error(controls: &[&str]) -> String {
+        match Tokenizer::from_vocab(&vocab(controls)) {
+            Ok(_) => panic!("accepted {} control tokens", controls.len()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn control_tokens_round_trip() {
+        let t = Tokenizer::from_vocab(&vocab(&["<|endoftext|>", "<x>"])).unwrap();
+        let text = "a<x>\0é<|endoftext|>";
+        let ids = t.encode(text, true).unwrap();
+        assert!(ids.contains(&256) && ids.contains(&257));
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        assert_eq!(t.decode(&t.encode(text, false).unwrap()).unwrap(), text);
+        assert!(t.decode(&[258]).is_err() && t.token_bytes(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn empty_duplicate_or_too_many_control_tokens_are_refused() {
+        assert!(error(&[""]).contains("control token 256 is empty"));
+        assert!(error(&["<a>", "<b>", "<a>"]).contains("control tokens 256 and 258 are both \"<a>\""));
+        let many: Vec<String> = (0..=MAX_CONTROL_TOKENS).map(|i| format!("<{i}>")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(error(&many).contains("more than 1024 control tokens"));
+        assert!(Tokenizer::from_vocab(&vocab(&many[1..])).is_ok());
     }
 }

@@ -7,6 +7,7 @@ Weights are ``(out_features, in_features)`` arrays, as in ``y = x @ W.T``; embed
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from os import PathLike
@@ -234,11 +235,72 @@ def dequantized(array: np.ndarray, weight_type: str) -> np.ndarray:
     return gguf.quants.dequantize(encoded(data, weight_type), WEIGHT_TYPES[weight_type]).astype(np.float32)
 
 
+# Bytes of one GGUF value of each scalar type (value type numbers as in the file).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class _Extents:
+    """A cursor over a GGUF file that checks every length it is given against the bytes that remain."""
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.pos = buf, 0
+
+    def skip(self, n: int, what: str) -> None:
+        if n > len(self.buf) - self.pos:
+            raise ValueError(f"{what} at offset {self.pos} declares {n} bytes, past the end of the file")
+        self.pos += n
+
+    def uint(self, size: int, what: str) -> int:
+        self.skip(size, what)
+        return int.from_bytes(self.buf[self.pos - size : self.pos], "little")
+
+    def value(self, vtype: int, what: str) -> None:
+        if vtype in _SCALAR_BYTES:
+            self.skip(_SCALAR_BYTES[vtype], what)
+        elif vtype == _STRING:
+            self.skip(self.uint(8, what), what)
+        elif vtype == _ARRAY:
+            etype, n = self.uint(4, what), self.uint(8, what)
+            if etype in _SCALAR_BYTES:
+                self.skip(n * _SCALAR_BYTES[etype], what)
+            elif etype == _STRING:
+                if 8 * n > len(self.buf) - self.pos:  # each string takes at least its 8-byte length
+                    raise ValueError(f"{what} at offset {self.pos} declares {n} strings, past the end of the file")
+                for _ in range(n):
+                    self.value(_STRING, what)
+            else:
+                raise ValueError(f"{what}: arrays of value type {etype} are not supported")
+        else:
+            raise ValueError(f"{what}: unknown value type {vtype}")
+
+
+def _check_extents(path: str | PathLike[str]) -> None:
+    """Check that every length and count in a GGUF file's header, metadata and tensor infos fits in the file.
+    gguf's reader does not: past the end of the file it reads empty arrays, so one corrupt array count makes it
+    loop, appending to a list, until memory runs out. Checks of everything else are left to it."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Extents(buf)
+        c.skip(4, "the magic number")
+        if c.uint(4, "the version") not in (2, 3):
+            return  # gguf's reader names the problem
+        n_tensors, n_kv = c.uint(8, "the tensor count"), c.uint(8, "the metadata count")
+        for _ in range(n_kv):  # each entry takes at least 13 bytes: the loop ends by the end of the file
+            key = c.uint(8, "a metadata key")
+            c.skip(key, "a metadata key")
+            c.value(c.uint(4, "a value type"), f"the value at offset {c.pos}")
+        for _ in range(n_tensors):
+            c.skip(c.uint(8, "a tensor name"), "a tensor name")
+            c.skip(8 * c.uint(4, "a tensor's dimension count"), "a tensor's dimensions")
+            c.skip(4 + 8, "a tensor's type and offset")
+
+
 def read_gguf(path: str | PathLike[str], raw: bool = False) -> GGUFContents:
     """A `.tinyloop` file's metadata (every key, as written) and tensors (dequantized to float32, with their stored
     type names; with `raw`, as stored: F32/F16 arrays, quantized types as uint8 blocks, so that writing them back
     copies them bit for bit). Raises ValueError for a file that is not GGUF or not a tinyloop model."""
     try:
+        _check_extents(path)
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError, OverflowError) as e:  # how gguf's reader meets a malformed file
         raise ValueError(f"{path}: not a GGUF file ({e})") from e
