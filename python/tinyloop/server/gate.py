@@ -125,6 +125,8 @@ class Gate:
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
+            if not route.done():  # counted here: once `gone` is set, the route may end before it is cancelled
+                self.metrics.client_disconnects.inc()
             gone.set()
 
         route = asyncio.ensure_future(self.app(scope, replay, send))
@@ -134,7 +136,6 @@ class Gate:
         finally:
             watcher.cancel()
             if not route.done():
-                self.metrics.client_disconnects.inc()
                 route.cancel()
             try:
                 await route

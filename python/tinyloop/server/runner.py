@@ -139,10 +139,11 @@ class EngineRunner:
             self.metrics.requests_waiting.set(len(self._waiting))
 
     def _update_gauges(self) -> None:
-        """Called from the engine thread only (it owns `_running`)."""
-        self.metrics.requests_running.set(len(self._running))
-        self.metrics.requests_waiting.set(len(self._waiting))
+        """Called from the engine thread only (it owns `_running`). The running count is set last, so a reader
+        that sees it fall to 0 also sees the KV bytes and the queue as they are then."""
         self.metrics.kv_cache_bytes.set(sum(j.stream.kv_bytes for j in self._running))
+        self.metrics.requests_waiting.set(len(self._waiting))
+        self.metrics.requests_running.set(len(self._running))
 
     def _retire(self, job: Job) -> None:
         """Take a job out of the running set (engine thread); its draft counters go to the metrics."""
