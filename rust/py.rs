@@ -430,6 +430,12 @@ impl Engine {
     }
 }
 
+/// Return memory the allocator holds but no longer uses to the system (the server calls it when idle).
+#[pyfunction]
+fn release_memory(py: Python<'_>) {
+    py.detach(crate::release_memory)
+}
+
 /// Threads the engine's matmuls and attention run on: rayon's global pool, sized from `RAYON_NUM_THREADS` when the
 /// module first uses it (else one per core). Candle reads the same variable.
 #[pyfunction]
@@ -439,8 +445,10 @@ fn num_threads() -> usize {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    crate::configure_allocator();
     let py = m.py();
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -568,16 +569,22 @@ def _counts_report(tally: _Tally, elapsed: float, before: dict, after: dict) -> 
 
 def _rss_report(rss: list[tuple[float, int]], elapsed: float, rss_after_drain: int) -> dict:
     """The report's RSS figures. Growth is measured from the end of a warm-up (the first 20% of the soak), by
-    which time caches and pools have reached their working size."""
-    warm_t = 0.2 * elapsed
-    warm = next((v for t, v in rss if t >= warm_t), rss[-1][1])
+    which time caches and pools have reached their working size, as the change between two levels: the median of
+    the samples in the tenth of the soak after warm-up and the median of those in its last tenth. RSS goes up and
+    down by several MiB from one second to the next as buffers come and go (an allocator returns freed memory to
+    the system in its own time), so single samples would measure that jitter rather than a trend."""
     soak_rss = [v for _, v in rss]
-    end_rss = soak_rss[-1]
+
+    def level(lo: float, hi: float) -> int:
+        window = [v for t, v in rss if lo * elapsed <= t < hi * elapsed]
+        return int(statistics.median(window)) if window else soak_rss[-1]
+
+    warm, end = level(0.2, 0.3), level(0.9, 1.01)
     step = max(1, len(rss) // 120)  # about 120 samples, whatever the length of the soak
     return {
-        "rss_mib": {"start": _mib(soak_rss[0]), "warmup_end": _mib(warm), "end": _mib(end_rss),
+        "rss_mib": {"start": _mib(soak_rss[0]), "warmup_end": _mib(warm), "end": _mib(end),
                     "max": _mib(max(soak_rss)), "after_drain": _mib(rss_after_drain)},
-        "rss_change_after_warmup": round((end_rss - warm) / warm, 4) if warm else None,
+        "rss_change_after_warmup": round((end - warm) / warm, 4) if warm else None,
         "rss_samples_mib": [(round(t, 1), _mib(v)) for t, v in rss[::step]],
         "server_gone": rss_after_drain == 0,
     }

@@ -9,6 +9,9 @@ __commit__: str
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
 
+def release_memory() -> None:
+    """Return memory the allocator holds but no longer uses to the system (the server calls it when idle)."""
+
 class TinyloopError(Exception): ...
 class ModelLoadError(TinyloopError): ...
 class TokenizerError(TinyloopError): ...

@@ -22,18 +22,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream
+from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream, release_memory
 from .metrics import Metrics
 
 log = logging.getLogger("tinyloop.server")
 
-TRIM_SECONDS = 10.0  # how often a busy engine loop hands freed heap pages back to the system
+TRIM_SECONDS = 10.0  # how often a busy engine loop hands freed memory back to the system
 
 
 def _malloc_trim():
-    """glibc's `malloc_trim`, or None elsewhere. glibc keeps the pages of freed blocks (logits, activations,
-    caches of finished requests) in its arenas, so a server's RSS climbs in steps to the largest mix of requests it
-    has seen and stays there; trimming returns them, so RSS follows the memory actually in use."""
+    """glibc's `malloc_trim`, or None elsewhere. The engine allocates through mimalloc (`release_memory` returns
+    what it holds), Python through the C library; glibc keeps the pages of freed blocks in its arenas, and trimming
+    returns them, so RSS follows the memory actually in use."""
     try:
         return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -41,6 +41,12 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+
+
+def _release_memory() -> None:
+    release_memory()
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class Overloaded(Exception):
@@ -208,8 +214,8 @@ class EngineRunner:
 
     def _trim(self, idle: bool) -> None:
         now = time.monotonic()
-        if _TRIM is not None and (idle or now - self._trimmed > TRIM_SECONDS):
-            _TRIM(0)
+        if idle or now - self._trimmed > TRIM_SECONDS:
+            _release_memory()
             self._trimmed = now
 
     def _step(self, active: list[Job]) -> list:
