@@ -9,7 +9,8 @@ type, status codes, wrong outputs, errors, tokens/s, RSS samples, the gauges aft
 `.benchmarks/soak.json` (TINYLOOP_SOAK_JSON to change it; reports of other models already there are kept), with the
 machine it ran on. Environment: TINYLOOP_SOAK_SECONDS (default 600), TINYLOOP_SOAK_CLIENTS (16),
 TINYLOOP_SOAK_SEED (0). A run fails, after writing its figures, on any 5xx, wrong output, transport error,
-unexpected status, stream without [DONE], or gauges that do not return to 0; the RSS figures are reported, not judged.
+unexpected status, stream without [DONE], gauges that do not return to 0, or RSS that grows by more than 5% after
+warm-up (between the median levels of the tenth after warm-up and of the last tenth).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import tinyloop
-from tinyloop.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -108,3 +109,5 @@ def test_soak(benchmark, model_paths, model, capsys):
     assert report["final_gauges"] == {"tinyloop_requests_running": 0, "tinyloop_requests_waiting": 0,
                                       "tinyloop_kv_cache_bytes": 0}
     assert report["server_tracebacks"] == 0
+    # RSS flat within 5% after warm-up (medians of the tenth after warm-up and of the last tenth, tests/soak.py).
+    assert report["rss_change_after_warmup"] <= 0.05, report["rss_mib"]
