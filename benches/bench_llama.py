@@ -21,8 +21,8 @@ import pytest
 
 import tinyloop
 from tinyloop import SamplingParams
-from tinyloop.export_llama import export_llama
-from tinyloop.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.export_llama import export_llama
+from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -26,7 +26,7 @@ DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from tinyloop.format import ModelConfig, random_weights, write_model
+    from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
     tiny = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, prelude_count=1, default_loops=3,
                        context_length=256, name="fuzz-tiny")

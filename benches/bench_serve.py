@@ -44,7 +44,7 @@ def _server_cmd(kind: str, port: int) -> list[str]:
         return [sys.executable, "-m", "tinyloop.server.cli", "--model", str(src), "--port", str(port),
                 "--max-running", "16", "--log-level", "warning"]
     pytest.importorskip("llama_cpp.server")
-    from tinyloop.export_llama import export_llama
+    from tinyloop.modelfile.export_llama import export_llama
 
     gguf = CACHE / f"{src.stem}-llama8.gguf"
     if not gguf.exists() or gguf.stat().st_mtime < src.stat().st_mtime:

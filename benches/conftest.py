@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinyloop.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 SHAPES = {
     # small: dim 384, 6 heads, ffn 1024, k = 2

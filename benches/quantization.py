@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tinyloop  # noqa: E402
-from tinyloop.evaluate import evaluate, held_out_ids  # noqa: E402
+from tinyloop.modelfile.evaluate import evaluate, held_out_ids  # noqa: E402
 
 from quant_models import ROOT, model_path  # noqa: E402
 

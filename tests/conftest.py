@@ -1,4 +1,4 @@
-"""Shared fixtures: small random models written with `tinyloop.format`, cached per test session."""
+"""Shared fixtures: small random models written with `tinyloop.modelfile.format`, cached per test session."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyloop.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 # A tiny GQA model with a prelude (2 query heads per KV head) and one without prelude, both full GPT-2 vocab.
 TINY = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, prelude_count=1, default_loops=3,
@@ -69,7 +69,7 @@ def cycle_model(tmp_path_factory):
     Its layers write nothing (attn_output and ffn_down are zero), so the head reads the current token's embedding;
     token i of the text is embedded as unit vector i and the head maps unit vector i to token i + 1.
     """
-    from tinyloop.vocab import tiktoken_gpt2
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
 
     ids = tiktoken_gpt2().encode_ordinary(CYCLE_TEXT)
     assert len(set(ids)) == len(ids) <= TINY_NOPRE.dim

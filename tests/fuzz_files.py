@@ -7,7 +7,7 @@
 * `mutations`, `random_files`: hypothesis strategies of `Case`s (truncated, bit-flipped, field-overwritten,
   byte-overwritten, spliced, weight-poisoned and random files);
 * `Worker`: a process that loads one file per request, with `tinyloop.Engine` (then generates) or with
-  `tinyloop.format.read_gguf`, and reports what happened, so that a crash (abort, segfault) or a hang ends the
+  `tinyloop.modelfile.format.read_gguf`, and reports what happened, so that a crash (abort, segfault) or a hang ends the
   worker, not the test run, and each load's peak memory is measured. `python tests/fuzz_files.py serve` is that
   worker.
 """
@@ -31,13 +31,13 @@ N_VOCAB = 321  # 320 byte-level tokens and merges, then <|endoftext|>; 321 rows 
 # than the file justifies.
 RSS_LIMIT_MIB = 64
 # Outcomes a malformed file may have: it loads (and then runs or fails typed), or it is refused typed (ValueError is
-# what `tinyloop.format.read_gguf` documents). EngineError is tinyloop's "internal failure (a bug)", including a
+# what `tinyloop.modelfile.format.read_gguf` documents). EngineError is tinyloop's "internal failure (a bug)", including a
 # caught panic: never acceptable here.
 ACCEPTED = {"loaded", "ModelLoadError", "TokenizerError", "InvalidRequestError", "ContextLengthError", "ValueError"}
 
 
 def seed_configs():
-    from tinyloop.format import ModelConfig
+    from tinyloop.modelfile.format import ModelConfig
 
     base = ModelConfig(dim=8, n_heads=2, n_kv_heads=1, ffn_dim=8, block_count=1, prelude_count=1, default_loops=2,
                        max_trained_loops=2, context_length=32, vocab_size=N_VOCAB, tied_head=False, name="fuzz-f32")
@@ -48,7 +48,7 @@ def seed_configs():
 
 
 def small_vocab(n: int = N_VOCAB):
-    from tinyloop.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
+    from tinyloop.modelfile.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
 
     v = gpt2_vocabulary()  # ranks 0..255 are the bytes, merge i makes rank 256 + i
     return Vocabulary(v.tokens[: n - 1] + [EOT_TOKEN], v.token_types[: n - 1] + [3], v.merges[: n - 257],
@@ -147,7 +147,7 @@ def make_seed(name: str, data: bytes) -> Seed:
 
 
 def write_seeds(directory: Path) -> list[Seed]:
-    from tinyloop.format import V, model_contents, random_weights, write_gguf
+    from tinyloop.modelfile.format import V, model_contents, random_weights, write_gguf
 
     seeds = []
     for name, (cfg, weight_type, embedding_type) in seed_configs().items():
@@ -325,7 +325,7 @@ def _run(engine) -> None:
 
 def check_read_gguf(path: str) -> dict:
     """The Python reader (used by the quantizer and draft-vocab tools) on the same files: it may raise ValueError."""
-    from tinyloop.format import model_config, read_gguf
+    from tinyloop.modelfile.format import model_config, read_gguf
 
     try:
         model_config(read_gguf(path))
@@ -361,7 +361,7 @@ def serve() -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("reader") == "read_gguf":
-            import tinyloop.format  # noqa: F401 - NumPy and gguf: imported before the measurement starts
+            import tinyloop.modelfile.format  # noqa: F401 - NumPy and gguf: imported before the measurement starts
         base = _reset_peak_rss()
         result = check_file(req["path"], req.get("run", True), req.get("reader", "engine"))
         result["rss_growth_mib"] = round(_peak_rss_mib() - base, 2)
@@ -421,7 +421,7 @@ class Worker:
 
     def load(self, data: bytes, run: bool = True, reader: str = "engine") -> dict:
         """What loading `data` with `tinyloop.Engine` (then running the model, with `run`) or with
-        `tinyloop.format.read_gguf` (`reader="read_gguf"`) does: an outcome and how far the load raised the
+        `tinyloop.modelfile.format.read_gguf` (`reader="read_gguf"`) does: an outcome and how far the load raised the
         worker's peak RSS."""
         if self.proc is None:
             self._start()

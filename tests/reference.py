@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyloop.format import ModelConfig
+from tinyloop.modelfile.format import ModelConfig
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import tinyloop
-from tinyloop.evaluate import evaluate, held_out_ids
+from tinyloop.modelfile.evaluate import evaluate, held_out_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"

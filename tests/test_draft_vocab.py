@@ -13,9 +13,9 @@ import pytest
 
 import tinyloop
 from tinyloop import SamplingParams
-from tinyloop.draft_vocab import KEY, count_tokens, coverage, top_tokens, write_with_draft_vocab
-from tinyloop.format import V, read_gguf, write_gguf
-from tinyloop.vocab import tiktoken_gpt2
+from tinyloop.modelfile.draft_vocab import KEY, count_tokens, coverage, top_tokens, write_with_draft_vocab
+from tinyloop.modelfile.format import V, read_gguf, write_gguf
+from tinyloop.modelfile.vocab import tiktoken_gpt2
 
 from conftest import TINY
 from test_batch import SPECULATIVE, _alone, _batched, _requests

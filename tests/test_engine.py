@@ -83,7 +83,7 @@ def test_stop_tokens_and_eos(tiny_engine):
 
 def test_eos_ends_generation(tmp_path):
     """A model rigged to prefer EOS: residual dim 0 is a large constant no layer writes to, and only EOS reads it."""
-    from tinyloop.format import random_weights, write_model
+    from tinyloop.modelfile.format import random_weights, write_model
 
     from conftest import TINY_NOPRE
 

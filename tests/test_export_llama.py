@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.export_llama import ExportError, export_llama
+from tinyloop.modelfile.export_llama import ExportError, export_llama
 
 from conftest import TINY
 from reference import forward as ref_forward

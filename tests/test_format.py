@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.format import GGUFContents, model_contents, random_weights, write_gguf
+from tinyloop.modelfile.format import GGUFContents, model_contents, random_weights, write_gguf
 
 from conftest import TINY
 

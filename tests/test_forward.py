@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.format import dequantized
+from tinyloop.modelfile.format import dequantized
 
 from conftest import TINY, TINY_NOPRE
 from reference import forward as ref_forward

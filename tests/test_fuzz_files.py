@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop
-from tinyloop.vocab import EOT_ID, EOT_TOKEN
+from tinyloop.modelfile.vocab import EOT_ID, EOT_TOKEN
 
 from fuzz_files import Case, Seed, Worker, edge_values, mutations, problem, random_files, seed_configs, write_seeds
 
@@ -155,8 +155,8 @@ def test_a_large_array_costs_memory_in_proportion(worker, seeds):
     ([f"<|{i}|>" for i in range(20_000)], "more than 1024 control tokens"),
 ], ids=["empty", "duplicate", "20000"])
 def test_control_tokens_that_cannot_work_are_refused(tmp_path, worker, specials, reason):
-    from tinyloop.format import random_weights, write_model
-    from tinyloop.vocab import Vocabulary
+    from tinyloop.modelfile.format import random_weights, write_model
+    from tinyloop.modelfile.vocab import Vocabulary
 
     from fuzz_files import small_vocab
 

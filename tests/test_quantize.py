@@ -1,5 +1,5 @@
-"""The weight quantizer: block grids (tinyloop.quants), GPTQ (tinyloop.gptq), the calibration forward
-(tinyloop.calibrate) and `tinyloop quantize` end to end, checked against gguf.quants and tests/reference.py."""
+"""The weight quantizer: block grids (tinyloop.modelfile.quants), GPTQ (tinyloop.modelfile.gptq), the calibration forward
+(tinyloop.modelfile.calibrate) and `tinyloop quantize` end to end, checked against gguf.quants and tests/reference.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop import calibrate
+from tinyloop.modelfile import calibrate
 from tinyloop.__main__ import main
-from tinyloop.format import ModelConfig, encoded, model_config, random_weights, read_gguf, write_model
-from tinyloop.gptq import gptq
-from tinyloop.quantize import CALIB_TEXT
-from tinyloop.quants import rtn
-from tinyloop.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
+from tinyloop.modelfile.format import ModelConfig, encoded, model_config, random_weights, read_gguf, write_model
+from tinyloop.modelfile.gptq import gptq
+from tinyloop.modelfile.quantize import CALIB_TEXT
+from tinyloop.modelfile.quants import rtn
+from tinyloop.modelfile.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
 
 import reference
 from conftest import TINY, TINY_NOPRE

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyloop.vocab import EOT_ID, tiktoken_gpt2
+from tinyloop.modelfile.vocab import EOT_ID, tiktoken_gpt2
 
 from corpus import documents
 

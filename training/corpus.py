@@ -170,7 +170,7 @@ def main() -> int:
     import tiktoken  # noqa: F401 - only to count tokens
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from tinyloop.vocab import tiktoken_gpt2
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
 
     enc = tiktoken_gpt2()
     args.out.mkdir(parents=True, exist_ok=True)

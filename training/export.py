@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--check-text", type=Path, default=Path("data/corpus/heldout.txt"))
     args = ap.parse_args()
 
-    from tinyloop.format import ModelConfig, write_model
+    from tinyloop.modelfile.format import ModelConfig, write_model
 
     model = load(args.checkpoint)
     c = model.cfg

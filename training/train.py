@@ -37,7 +37,7 @@ def tokenize(path: Path) -> np.ndarray:
     if cache.exists() and cache.stat().st_mtime > path.stat().st_mtime:
         return np.fromfile(cache, dtype=np.uint16)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from tinyloop.vocab import tiktoken_gpt2
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
 
     enc = tiktoken_gpt2()
     ids: list[int] = []

@@ -1,6 +1,6 @@
 """tinyloop: local inference for weight-shared looped transformer language models.
 
-`Engine(path)` loads a `.tinyloop` file; `tinyloop.format` writes one. The engine core is the Rust extension
+`Engine(path)` loads a `.tinyloop` file; `tinyloop.modelfile.format` writes one. The engine core is the Rust extension
 `tinyloop._core`; see `docs/engine.md` for the Python API.
 """
 

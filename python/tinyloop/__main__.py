@@ -38,7 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _random_model(args: argparse.Namespace) -> int:
-    from .format import ModelConfig, random_weights, write_model
+    from .modelfile.format import ModelConfig, random_weights, write_model
 
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.heads, ffn_dim=args.ffn, block_count=args.k)
     write_model(args.out, cfg, random_weights(cfg, seed=args.seed), weight_type=args.weight_type)
@@ -47,7 +47,7 @@ def _random_model(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from .quantize import Options, quantize_file
+    from .modelfile.quantize import Options, quantize_file
 
     opts = Options(bits=args.bits, method=args.method, format=args.format, group_size=args.group_size,
                    calib=args.calib, act_order=args.act_order, percdamp=args.percdamp, loops=args.loops,
@@ -57,7 +57,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _export_llama(args: argparse.Namespace) -> int:
-    from .export_llama import ExportError, export_llama
+    from .modelfile.export_llama import ExportError, export_llama
 
     try:
         export_llama(args.input, args.output, loops=args.loops, progress=not args.quiet)
@@ -70,7 +70,7 @@ def _export_llama(args: argparse.Namespace) -> int:
 def _draft_vocab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .draft_vocab import build
+    from .modelfile.draft_vocab import build
 
     ids, covered = build(Path(args.input), Path(args.output), Path(args.corpus), size=args.size)
     print(f"wrote {args.output}: {len(ids)} draft tokens, covering {covered:.1%} of the corpus's tokens")

@@ -65,7 +65,7 @@ def write_with_draft_vocab(src: str | PathLike[str], dst: str | PathLike[str], i
 
 def build(src: Path, dst: Path, corpus: Path, size: int = 4096) -> tuple[list[int], float]:
     """Count `corpus` with the model's own tokenizer, write `dst`; returns the ids and their corpus coverage."""
-    from . import Engine
+    from .. import Engine
 
     engine = Engine(src)
     counts = count_tokens(engine.encode, corpus.read_text(encoding="utf-8"))

@@ -1,7 +1,7 @@
 """Measure a `.tinyloop` model through the tinyloop engine itself (not PyTorch): held-out perplexity at each loop
 depth and greedy next-token agreement of shallow depths with depth 8 (the draft acceptance rate).
 
-    python -m tinyloop.evaluate python/tinyloop/models/default.tinyloop data/corpus/heldout.txt \
+    python -m tinyloop.modelfile.evaluate python/tinyloop/models/default.tinyloop data/corpus/heldout.txt \
         --tokens 32768 --json docs/model_eval.json --plot docs/model_depth.png
 """
 
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
-    from . import Engine
+    from .. import Engine
 
     engine = Engine(args.model)
     window = args.window or engine.info.max_seq_len - 1

@@ -214,7 +214,7 @@ def _metadata(cfg: ModelConfig) -> list[tuple[str, int | float]]:
 
 def encoded(array: np.ndarray, weight_type: str) -> np.ndarray:
     """uint8 blocks of a quantized GGUF type: `array` itself when it is already encoded (uint8), else its
-    round-to-nearest encoding (gguf's own encoders; Q2_K, which gguf cannot encode, by `tinyloop.quants`)."""
+    round-to-nearest encoding (gguf's own encoders; Q2_K, which gguf cannot encode, by `tinyloop.modelfile.quants`)."""
     if array.dtype == np.uint8:
         return np.ascontiguousarray(array)
     data = np.ascontiguousarray(array, dtype=np.float32)

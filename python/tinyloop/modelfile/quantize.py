@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from . import calibrate
-from ._core import TinyloopError
+from .._core import TinyloopError
 from .format import FILE_TYPES, GGUFContents, V, model_config, read_gguf, write_gguf
 from .gptq import Prepared, column_blocks, gptq, prepare
 from .quants import FORMATS, rtn
 
-CALIB_TEXT = Path(__file__).parent / "assets" / "calib.txt"  # training-split sample (scripts/make_calib.py)
+CALIB_TEXT = Path(__file__).parents[1] / "assets" / "calib.txt"  # training-split sample (scripts/make_calib.py)
 FALLBACK = "Q4_0"  # for matrices whose rows the target type's block does not divide
 BITS = {8: "Q8_0", 4: "Q4_0", 2: "Q2_K"}
 
@@ -97,7 +97,7 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 def _calibrate(path: Path, contents: GGUFContents, opts: Options) -> calibrate.Hessians:
-    from . import Engine
+    from .. import Engine
 
     cfg = model_config(contents)
     loops = opts.loops if opts.loops is not None else cfg.default_loops

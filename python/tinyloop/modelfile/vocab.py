@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-GPT2_TIKTOKEN = Path(__file__).parent / "assets" / "gpt2.tiktoken"
+GPT2_TIKTOKEN = Path(__file__).parents[1] / "assets" / "gpt2.tiktoken"
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
