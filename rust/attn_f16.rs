@@ -78,8 +78,15 @@ pub struct Scratch {
 ///
 /// # Safety
 /// As `hsum`. Ranges must lie inside `keys` / `values`, `q[r]` and `out[r]` must hold `hd` values.
-pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, rows: &Rows, out: &mut [&mut [f32]],
-                          scratch: &mut Scratch) {
+pub unsafe fn attend_rows(
+    keys: &[f16],
+    values: &[f16],
+    hd: usize,
+    scale: f32,
+    rows: &Rows,
+    out: &mut [&mut [f32]],
+    scratch: &mut Scratch,
+) {
     let n = rows.n;
     debug_assert!(hd % 64 == 0 && n <= ROWS && out.len() >= n);
     let lo = rows.ranges[..n].iter().map(|r| r.0).min().unwrap_or(0);
@@ -129,7 +136,8 @@ pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, r
         let mut acc = [[_mm512_setzero_ps(); 4]; ROWS];
         for t in lo..hi {
             let row = vp.add(t * hd + c);
-            let v: [__m512; 4] = std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(j * LANES) as *const __m256i)));
+            let v: [__m512; 4] =
+                std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(j * LANES) as *const __m256i)));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let (a, b) = rows.ranges[r];
                 if r < n && t >= a && t < b {
@@ -150,10 +158,21 @@ pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, r
 
 /// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V (`[kv_head][cap][hd]`), row
 /// i seeing the cache indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the rayon pool.
-pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize, q: &[f32], out: &mut [f32], work: usize,
-                     range: impl Fn(usize) -> (usize, usize) + Sync) {
+pub fn attend_blocks(
+    keys: &[f16],
+    values: &[f16],
+    shape: AttnShape,
+    cap: usize,
+    q: &[f32],
+    out: &mut [f32],
+    work: usize,
+    range: impl Fn(usize) -> (usize, usize) + Sync,
+) {
     let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
-    assert!(hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(), "f16 attention shapes");
+    assert!(
+        hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(),
+        "f16 attention shapes"
+    );
     let (n, group) = (out.len() / (n_heads * hd), n_heads / n_kv_heads);
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = OutRows(out.as_mut_ptr(), out.len());
@@ -161,10 +180,14 @@ pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize,
         let (r0, h) = ((idx / n_heads) * ROWS, idx % n_heads);
         let (nr, g) = ((n - r0).min(ROWS), h / group);
         let row = |r: usize| r0 + r.min(nr - 1);
-        let rows = Rows { q: std::array::from_fn(|r| &q[(row(r) * n_heads + h) * hd..][..hd]),
-                          ranges: std::array::from_fn(|r| range(row(r))), n: nr };
+        let rows = Rows {
+            q: std::array::from_fn(|r| &q[(row(r) * n_heads + h) * hd..][..hd]),
+            ranges: std::array::from_fn(|r| range(row(r))),
+            n: nr,
+        };
         // SAFETY: task (block, h) writes only rows r0..r0+nr of head h, pieces no other task touches.
-        let mut outs: Vec<&mut [f32]> = (0..nr).map(|r| unsafe { dst.piece(((r0 + r) * n_heads + h) * hd, hd) }).collect();
+        let mut outs: Vec<&mut [f32]> =
+            (0..nr).map(|r| unsafe { dst.piece(((r0 + r) * n_heads + h) * hd, hd) }).collect();
         let (k, v) = (&keys[g * cap * hd..(g + 1) * cap * hd], &values[g * cap * hd..(g + 1) * cap * hd]);
         // SAFETY: avx512f is enabled (this module's cfg); hd is a multiple of 64 (asserted above); attend_rows checks
         // the ranges against `k` / `v`; q / out pieces are hd wide.
@@ -220,7 +243,9 @@ mod tests {
     use super::*;
 
     fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0) - 1.0).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0) - 1.0)
+            .collect()
     }
 
     #[test]
@@ -244,7 +269,9 @@ mod tests {
 
     /// softmax(q·Kᵀ/√d)·V in f64 over the widened f16 keys and values.
     fn reference(k: &[f16], v: &[f16], q: &[f32], hd: usize, (a, b): (usize, usize)) -> Vec<f64> {
-        let s: Vec<f64> = (a..b).map(|t| (0..hd).map(|d| q[d] as f64 * k[t * hd + d].to_f64()).sum::<f64>() / (hd as f64).sqrt()).collect();
+        let s: Vec<f64> = (a..b)
+            .map(|t| (0..hd).map(|d| q[d] as f64 * k[t * hd + d].to_f64()).sum::<f64>() / (hd as f64).sqrt())
+            .collect();
         let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
         (0..hd).map(|d| (a..b).zip(&s).map(|(t, x)| (x - m).exp() / z * v[t * hd + d].to_f64()).sum()).collect()
@@ -274,13 +301,19 @@ mod tests {
                 // The same row alone (and in a block of two, first or second) gives the same bits.
                 for (mates, at) in [(vec![r], 0), (vec![r, (r + 1) % ROWS], 0), (vec![(r + 2) % ROWS, r], 1)] {
                     let mut alone = vec![vec![0f32; hd]; mates.len()];
-                    let sub = Rows { q: std::array::from_fn(|i| qs[mates.get(i).copied().unwrap_or(0)]),
-                                     ranges: std::array::from_fn(|i| ranges[mates.get(i).copied().unwrap_or(0)]), n: mates.len() };
+                    let sub = Rows {
+                        q: std::array::from_fn(|i| qs[mates.get(i).copied().unwrap_or(0)]),
+                        ranges: std::array::from_fn(|i| ranges[mates.get(i).copied().unwrap_or(0)]),
+                        n: mates.len(),
+                    };
                     unsafe {
                         let mut outs: Vec<&mut [f32]> = alone.iter_mut().map(|o| o.as_mut_slice()).collect();
                         attend_rows(&k, &v, hd, scale, &sub, &mut outs, &mut scratch);
                     }
-                    assert!(alone[at].iter().zip(&together[r]).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} row {r} with {mates:?}");
+                    assert!(
+                        alone[at].iter().zip(&together[r]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "hd {hd} row {r} with {mates:?}"
+                    );
                 }
             }
         }

@@ -72,7 +72,8 @@ impl Generator {
 pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
     let mut plans: Vec<Plan> = gens.iter_mut().map(|g| g.plan()).collect();
     let mut out: Vec<Option<Result<Step>>> = (0..gens.len()).map(|_| None).collect();
-    let mut keys: Vec<(usize, usize)> = plans.iter().filter_map(|p| if let Plan::Batch(k, _) = p { Some(*k) } else { None }).collect();
+    let mut keys: Vec<(usize, usize)> =
+        plans.iter().filter_map(|p| if let Plan::Batch(k, _) = p { Some(*k) } else { None }).collect();
     keys.sort_unstable();
     keys.dedup();
     for key in keys {
@@ -140,7 +141,11 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
                 _ => continue,
             };
             let x = model.embed(tokens)?;
-            blocks.push(RowBlock { seq: SeqChunk { cache: &mut g.cache, pos, tokens, tree: None }, x, loops: 0..depth });
+            blocks.push(RowBlock {
+                seq: SeqChunk { cache: &mut g.cache, pos, tokens, tree: None },
+                x,
+                loops: 0..depth,
+            });
             owners.push(i);
         }
         model.run_blocks(&mut blocks)?;
@@ -167,7 +172,10 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
     // whose logits are wanted (each plain sequence's last, every verification row).
     let finals: Vec<Tensor> = {
         let mut blocks = Vec::new();
-        let hidden: Vec<Option<Tensor>> = rounds.iter().map(|r| r.as_ref().map(|r| Tensor::cat(&r.hidden, 0)).transpose()).collect::<candle_core::Result<_>>()?;
+        let hidden: Vec<Option<Tensor>> = rounds
+            .iter()
+            .map(|r| r.as_ref().map(|r| Tensor::cat(&r.hidden, 0)).transpose())
+            .collect::<candle_core::Result<_>>()?;
         for (i, ((m, round), h)) in members.iter_mut().zip(&rounds).zip(hidden).enumerate() {
             let g = &mut *m.gen;
             let (tokens, x, depth) = match (&m.work, round, h) {
@@ -176,7 +184,11 @@ pub(crate) fn run_group(members: &mut [Member]) -> Result<()> {
                 _ => return Err(Error::Internal("a chain member without its round".into())),
             };
             let x = x.ok_or_else(|| Error::Internal("a batched row lost its hidden state".into()))?;
-            blocks.push(RowBlock { seq: SeqChunk { cache: &mut g.cache, pos: g.pos, tokens, tree: None }, x, loops: depth..loops });
+            blocks.push(RowBlock {
+                seq: SeqChunk { cache: &mut g.cache, pos: g.pos, tokens, tree: None },
+                x,
+                loops: depth..loops,
+            });
         }
         model.run_blocks(&mut blocks)?;
         blocks

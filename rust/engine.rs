@@ -102,7 +102,10 @@ impl Engine {
     pub fn score(&self, ids: &[u32], depths: &[usize]) -> Result<Vec<(Vec<f32>, Vec<u32>)>> {
         ensure_arg!(ids.len() >= 2, "scoring needs at least two tokens");
         ensure_arg!(ids.len() <= self.max_seq_len, "{} tokens exceed max_seq_len {}", ids.len(), self.max_seq_len);
-        ensure_arg!(!depths.is_empty() && depths.windows(2).all(|w| w[0] < w[1]), "depths must be ascending and non-empty");
+        ensure_arg!(
+            !depths.is_empty() && depths.windows(2).all(|w| w[0] < w[1]),
+            "depths must be ascending and non-empty"
+        );
         ensure_arg!(depths[0] >= 1 && depths[depths.len() - 1] <= MAX_LOOPS, "depths must be in 1..={MAX_LOOPS}");
         let mut cache = self.model.new_cache(ids.len());
         let inputs = &ids[..ids.len() - 1];
@@ -148,13 +151,21 @@ pub struct Generator {
 
 impl Generator {
     /// `window > 0` limits attention to the last `window` positions and bounds the cache by it (`cache_window`).
-    pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, params: SamplingParams, loops: Option<usize>, window: usize) -> Result<Self> {
+    pub fn new(
+        engine: Arc<Engine>,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        loops: Option<usize>,
+        window: usize,
+    ) -> Result<Self> {
         let loops = loops.unwrap_or(engine.config().default_loops);
         ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
         ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
         let vocab = engine.config().vocab_size;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!("prompt token id {bad} is outside the {vocab}-token vocabulary")));
+            return Err(Error::InvalidArgument(format!(
+                "prompt token id {bad} is outside the {vocab}-token vocabulary"
+            )));
         }
         let needed = prompt.len() + params.max_tokens;
         if needed > engine.max_seq_len {

@@ -28,8 +28,14 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// `out += w · row`.
     fn axpy(row: &[Self], meta: Self::Meta, w: f32, out: &mut [f32]);
     /// `out = Σ_i weights[i] · row(rows[i])` over stored rows of `w` elements, accumulated in `rows` order.
-    fn weighted_sum(values: &[Self], meta: &[Self::Meta], w: usize, rows: impl Iterator<Item = usize> + Clone,
-                    weights: &[f32], out: &mut [f32]) {
+    fn weighted_sum(
+        values: &[Self],
+        meta: &[Self::Meta],
+        w: usize,
+        rows: impl Iterator<Item = usize> + Clone,
+        weights: &[f32],
+        out: &mut [f32],
+    ) {
         axpy_rows(values, meta, w, rows, weights, out);
     }
     /// The stored rows as f16 when that is what they are (for `attn_f16`'s blocked attention); `None` otherwise.
@@ -39,8 +45,14 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
 }
 
 /// `weighted_sum` as `axpy` row after row (the default, and the f16 fallback for widths the wide path skips).
-fn axpy_rows<T: KvElem>(values: &[T], meta: &[T::Meta], w: usize, rows: impl Iterator<Item = usize>,
-                        weights: &[f32], out: &mut [f32]) {
+fn axpy_rows<T: KvElem>(
+    values: &[T],
+    meta: &[T::Meta],
+    w: usize,
+    rows: impl Iterator<Item = usize>,
+    weights: &[f32],
+    out: &mut [f32],
+) {
     out.fill(0.0);
     for (&p, t) in weights.iter().zip(rows) {
         T::axpy(&values[t * w..(t + 1) * w], meta[t], p, out);
@@ -98,8 +110,14 @@ impl KvElem for f16 {
     /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
     /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
     #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    fn weighted_sum(values: &[Self], meta: &[()], w: usize, rows: impl Iterator<Item = usize> + Clone,
-                    weights: &[f32], out: &mut [f32]) {
+    fn weighted_sum(
+        values: &[Self],
+        meta: &[()],
+        w: usize,
+        rows: impl Iterator<Item = usize> + Clone,
+        weights: &[f32],
+        out: &mut [f32],
+    ) {
         use std::arch::x86_64::*;
         const WIDE: usize = 4 * LANES;
         if !w.is_multiple_of(WIDE) || out.len() != w {
@@ -284,7 +302,11 @@ impl KvElem for Nibbles {
     }
     #[inline]
     fn dot(row: &[Self], meta: Int4Meta, q: &[f32], q_sum: f32) -> f32 {
-        let acc: f32 = row.iter().zip(q.chunks_exact(2)).map(|(b, qq)| (b.0 & 15) as f32 * qq[0] + (b.0 >> 4) as f32 * qq[1]).sum();
+        let acc: f32 = row
+            .iter()
+            .zip(q.chunks_exact(2))
+            .map(|(b, qq)| (b.0 & 15) as f32 * qq[0] + (b.0 >> 4) as f32 * qq[1])
+            .sum();
         meta.scale.to_f32() * acc + meta.min.to_f32() * q_sum
     }
     #[inline]
@@ -402,7 +424,11 @@ mod tests {
             let total: f64 = e.iter().sum();
             softmax_in_place(&mut s);
             for (got, want) in s.iter().zip(&e) {
-                assert!((*got as f64 - want / total).abs() <= 1e-6 * (want / total) + 1e-12, "{got} vs {}", want / total);
+                assert!(
+                    (*got as f64 - want / total).abs() <= 1e-6 * (want / total) + 1e-12,
+                    "{got} vs {}",
+                    want / total
+                );
             }
         }
     }

@@ -8,21 +8,21 @@
 pub mod attn_f16;
 pub mod batch;
 pub mod draft_head;
-pub mod error;
 pub mod engine;
+pub mod error;
 pub mod kv;
-pub mod linear;
 pub mod kv_elem;
+pub mod linear;
 pub mod loader;
 pub mod model;
 pub(crate) mod panels;
-#[cfg(vnni)]
-pub mod vnni;
 pub mod sampler;
 pub mod simd;
 pub mod spec;
 pub mod tokenizer;
 pub mod tree;
+#[cfg(vnni)]
+pub mod vnni;
 
 #[cfg(feature = "python")]
 mod py;

@@ -291,7 +291,11 @@ mod tests {
                 assert_eq!(one[0], all[i], "row {i} differs when multiplied alone (n {n}, k {k})");
                 for j in 0..n {
                     let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
-                    assert!((all[i][j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "({i}, {j}): {} vs {want}", all[i][j]);
+                    assert!(
+                        (all[i][j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "({i}, {j}): {} vs {want}",
+                        all[i][j]
+                    );
                 }
             }
         }
@@ -311,14 +315,19 @@ mod tests {
     fn f32_weights_run_the_own_kernel_and_rows_do_not_depend_on_their_batch() {
         for (n, k) in [(64, 64), (96, 64), (70, 100)] {
             let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
-            let t = QTensor::quantize(&Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+            let t =
+                QTensor::quantize(&Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
             let lin = Linear::new(Arc::new(t)).unwrap();
             assert!(matches!(lin, Linear::Own(_)));
             for m in [2, 5, 8, 9] {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
                 let all = lin.forward_rows(&x, m).unwrap();
                 for i in 0..m {
-                    assert_eq!(lin.forward_rows(&x[i * k..(i + 1) * k], 1).unwrap(), all[i * n..(i + 1) * n], "({n}, {k}) m = {m}");
+                    assert_eq!(
+                        lin.forward_rows(&x[i * k..(i + 1) * k], 1).unwrap(),
+                        all[i * n..(i + 1) * n],
+                        "({n}, {k}) m = {m}"
+                    );
                     for j in 0..n {
                         let exact: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
                         assert!((all[i * n + j] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));

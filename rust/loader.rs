@@ -126,7 +126,9 @@ impl Reader<'_> {
 
     fn ints(&self, key: &str) -> Result<Vec<i64>> {
         match self.get(key)? {
-            Value::Ints(a) => a.iter().map(|i| i64::try_from(i).map_err(|_| self.err(key, format!("{i} is out of range")))).collect(),
+            Value::Ints(a) => {
+                a.iter().map(|i| i64::try_from(i).map_err(|_| self.err(key, format!("{i} is out of range")))).collect()
+            }
             v if is_empty_array(v) => Ok(Vec::new()),
             _ => Err(self.err(key, "expected an array of integers")),
         }
@@ -217,7 +219,13 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
         }
         Ok(v as u32)
     };
-    Ok(VocabData { bos_token_id: id("tokenizer.ggml.bos_token_id")?, eos_token_id: id("tokenizer.ggml.eos_token_id")?, tokens, token_types, merges })
+    Ok(VocabData {
+        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+        eos_token_id: id("tokenizer.ggml.eos_token_id")?,
+        tokens,
+        token_types,
+        merges,
+    })
 }
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
@@ -352,7 +360,10 @@ fn check_tensor(r: &Reader, name: &str, info: &gguf::TensorInfo, shape: &[usize]
     }
     let (block, row) = (info.dtype.block_size(), shape.last().copied().unwrap_or(1));
     if row % block != 0 {
-        return Err(r.err(format!("tensor {name}"), format!("rows of {row} values are not a multiple of {:?}'s block of {block}", info.dtype)));
+        return Err(r.err(
+            format!("tensor {name}"),
+            format!("rows of {row} values are not a multiple of {:?}'s block of {block}", info.dtype),
+        ));
     }
     Ok(())
 }
@@ -488,7 +499,10 @@ mod tests {
         let bytes = model(1 << 16, 1 << 18, false);
         assert!(bytes.len() < 4096);
         let e = load_err(&bytes);
-        assert!(e.contains("tensor blk.0.attn_k.weight: data of shape [65536, 65536] (F32): 17179869184 bytes needed"), "{e}");
+        assert!(
+            e.contains("tensor blk.0.attn_k.weight: data of shape [65536, 65536] (F32): 17179869184 bytes needed"),
+            "{e}"
+        );
         assert!(e.contains("truncated"), "{e}");
         // Data cut anywhere: the tensor it cuts is named.
         let full = model(2, 1, true);

@@ -17,8 +17,8 @@ use rayon::prelude::*;
 
 use crate::draft_head::DraftHead;
 use crate::error::{Error, Result};
-use crate::linear::Linear;
 use crate::kv::{AttnShape, KvCache, KvKind, RowLayout};
+use crate::linear::Linear;
 use crate::loader::{Config, ModelFile, MAX_LOOPS};
 
 struct Layer {
@@ -143,13 +143,27 @@ impl Model {
         let embd = Linear::new(embd_t)?;
         let head = if tied { embd.clone() } else { Linear::new(head_t)? };
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
-        let prelude = (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
-        let block = (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
+        let prelude =
+            (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
+        let block =
+            (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
         let half = cfg.head_dim / 2;
         let inv_freq = (0..half).map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64)).collect();
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
         let use_draft_head = draft_head.is_some();
-        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, inv_freq, rope_table: Default::default(), kv_kind })
+        Ok(Self {
+            cfg,
+            embd,
+            head,
+            draft_head,
+            use_draft_head,
+            output_norm,
+            prelude,
+            block,
+            inv_freq,
+            rope_table: Default::default(),
+            kv_kind,
+        })
     }
 
     pub fn kv_kind(&self) -> KvKind {
@@ -163,7 +177,8 @@ impl Model {
 
     /// A fresh cache for one sequence of up to `capacity` positions (memory is touched only as it fills).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
-        let shape = AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
+        let shape =
+            AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
         KvCache::new(self.kv_kind, shape, capacity, self.cfg.prelude_count + MAX_LOOPS * self.cfg.block_count)
     }
 
@@ -175,7 +190,10 @@ impl Model {
     /// Token embeddings, `(n, dim)`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(Error::InvalidArgument(format!("token id {bad} is outside the {}-token vocabulary", self.cfg.vocab_size)));
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is outside the {}-token vocabulary",
+                self.cfg.vocab_size
+            )));
         }
         self.embd.rows(tokens)
     }
@@ -386,8 +404,14 @@ impl Model {
 }
 
 /// `Model::rope` over a table of angles shared by calls (`rope_table`).
-fn rope_rows(x: &mut [f32], heads: usize, hd: usize, positions: &[usize], inv_freq: &[f64],
-         rope_table: &std::sync::RwLock<Vec<(f32, f32)>>) {
+fn rope_rows(
+    x: &mut [f32],
+    heads: usize,
+    hd: usize,
+    positions: &[usize],
+    inv_freq: &[f64],
+    rope_table: &std::sync::RwLock<Vec<(f32, f32)>>,
+) {
     let half = inv_freq.len();
     let angles = |p: usize| inv_freq.iter().map(move |f| ((p as f64 * f).cos() as f32, (p as f64 * f).sin() as f32));
     let needed = positions.iter().max().map_or(0, |&p| p + 1).min(ROPE_TABLE_MAX);

@@ -19,11 +19,26 @@ use crate::sampler::SamplingParams as RsParams;
 use crate::spec::SpecConfig;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
-create_exception!(_core, ModelLoadError, TinyloopError, "The model file is missing, not GGUF, or not a valid tinyloop model.");
-create_exception!(_core, TokenizerError, TinyloopError, "The vocabulary in the file cannot form a GPT-2 tokenizer, or text cannot be tokenized.");
+create_exception!(
+    _core,
+    ModelLoadError,
+    TinyloopError,
+    "The model file is missing, not GGUF, or not a valid tinyloop model."
+);
+create_exception!(
+    _core,
+    TokenizerError,
+    TinyloopError,
+    "The vocabulary in the file cannot form a GPT-2 tokenizer, or text cannot be tokenized."
+);
 create_exception!(_core, InvalidRequestError, TinyloopError, "An argument is out of range or inconsistent.");
 create_exception!(_core, ContextLengthError, InvalidRequestError, "Prompt plus max_tokens exceeds the sequence limit.");
-create_exception!(_core, EngineError, TinyloopError, "An internal engine failure (a bug): the request failed, the engine keeps serving.");
+create_exception!(
+    _core,
+    EngineError,
+    TinyloopError,
+    "An internal engine failure (a bug): the request failed, the engine keeps serving."
+);
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -85,33 +100,67 @@ impl SamplingParams {
         ignore_eos: bool,
         stop_token_ids: Vec<u32>,
     ) -> PyResult<Self> {
-        let p = RsParams { temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, seed, max_tokens, min_tokens, ignore_eos, stop_token_ids };
+        let p = RsParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            stop_token_ids,
+        };
         p.validate().map_err(to_py)?;
         Ok(Self(p))
     }
 
     #[getter]
-    fn temperature(&self) -> f32 { self.0.temperature }
+    fn temperature(&self) -> f32 {
+        self.0.temperature
+    }
     #[getter]
-    fn top_k(&self) -> usize { self.0.top_k }
+    fn top_k(&self) -> usize {
+        self.0.top_k
+    }
     #[getter]
-    fn top_p(&self) -> f32 { self.0.top_p }
+    fn top_p(&self) -> f32 {
+        self.0.top_p
+    }
     #[getter]
-    fn repetition_penalty(&self) -> f32 { self.0.repetition_penalty }
+    fn repetition_penalty(&self) -> f32 {
+        self.0.repetition_penalty
+    }
     #[getter]
-    fn presence_penalty(&self) -> f32 { self.0.presence_penalty }
+    fn presence_penalty(&self) -> f32 {
+        self.0.presence_penalty
+    }
     #[getter]
-    fn frequency_penalty(&self) -> f32 { self.0.frequency_penalty }
+    fn frequency_penalty(&self) -> f32 {
+        self.0.frequency_penalty
+    }
     #[getter]
-    fn seed(&self) -> Option<u64> { self.0.seed }
+    fn seed(&self) -> Option<u64> {
+        self.0.seed
+    }
     #[getter]
-    fn max_tokens(&self) -> usize { self.0.max_tokens }
+    fn max_tokens(&self) -> usize {
+        self.0.max_tokens
+    }
     #[getter]
-    fn min_tokens(&self) -> usize { self.0.min_tokens }
+    fn min_tokens(&self) -> usize {
+        self.0.min_tokens
+    }
     #[getter]
-    fn ignore_eos(&self) -> bool { self.0.ignore_eos }
+    fn ignore_eos(&self) -> bool {
+        self.0.ignore_eos
+    }
     #[getter]
-    fn stop_token_ids(&self) -> Vec<u32> { self.0.stop_token_ids.clone() }
+    fn stop_token_ids(&self) -> Vec<u32> {
+        self.0.stop_token_ids.clone()
+    }
 
     fn __repr__(&self) -> String {
         format!("SamplingParams({:?})", self.0)
@@ -144,8 +193,17 @@ struct ModelInfo {
 #[pymethods]
 impl ModelInfo {
     fn __repr__(&self) -> String {
-        format!("ModelInfo(name={:?}, dim={}, n_heads={}, n_kv_heads={}, ffn_dim={}, k={}, default_loops={}, quant={:?})",
-            self.name, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.block_count, self.default_loops, self.quant)
+        format!(
+            "ModelInfo(name={:?}, dim={}, n_heads={}, n_kv_heads={}, ffn_dim={}, k={}, default_loops={}, quant={:?})",
+            self.name,
+            self.dim,
+            self.n_heads,
+            self.n_kv_heads,
+            self.ffn_dim,
+            self.block_count,
+            self.default_loops,
+            self.quant
+        )
     }
 }
 
@@ -281,8 +339,16 @@ impl Engine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                 draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generator> {
+    fn generator(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        params: Option<&SamplingParams>,
+        loops: Option<usize>,
+        draft: Option<(usize, usize)>,
+        k_branches: usize,
+        cache_window: usize,
+    ) -> PyResult<Generator> {
         let ids = self.prompt_ids(py, prompt)?;
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
         let g = Generator::new(self.inner.clone(), ids, params, loops, cache_window).map_err(to_py)?;
@@ -299,7 +365,13 @@ impl Engine {
 impl Engine {
     #[new]
     #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true))]
-    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>, kv_cache_mode: &str, draft_vocab: bool) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        max_seq_len: Option<usize>,
+        kv_cache_mode: &str,
+        draft_vocab: bool,
+    ) -> PyResult<Self> {
         let mut inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
         inner.model.set_use_draft_head(draft_vocab);
         Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
@@ -364,8 +436,16 @@ impl Engine {
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
     #[allow(clippy::too_many_arguments)]
-    fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generation> {
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        params: Option<&SamplingParams>,
+        loops: Option<usize>,
+        draft: Option<(usize, usize)>,
+        k_branches: usize,
+        cache_window: usize,
+    ) -> PyResult<Generation> {
         let mut g = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = computed(py, || {
@@ -388,8 +468,16 @@ impl Engine {
     /// a speculative round runs when no verified token is waiting.
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
     #[allow(clippy::too_many_arguments)]
-    fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-              draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<TokenStream> {
+    fn stream(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        params: Option<&SamplingParams>,
+        loops: Option<usize>,
+        draft: Option<(usize, usize)>,
+        k_branches: usize,
+        cache_window: usize,
+    ) -> PyResult<TokenStream> {
         let generator = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
@@ -399,7 +487,8 @@ impl Engine {
     /// `None` if it had already finished, or the exception its step raised (the stream is then finished).
     fn step_many(&self, py: Python<'_>, mut streams: Vec<PyRefMut<'_, TokenStream>>) -> PyResult<Vec<Py<PyAny>>> {
         let steps = {
-            let mut gens: Vec<&mut Generator> = streams.iter_mut().filter(|s| !s.done).map(|s| &mut s.generator).collect();
+            let mut gens: Vec<&mut Generator> =
+                streams.iter_mut().filter(|s| !s.done).map(|s| &mut s.generator).collect();
             computed(py, || Ok(step_batch(&mut gens)))?
         };
         let mut steps = steps.into_iter();

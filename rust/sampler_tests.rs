@@ -82,10 +82,16 @@ fn penalties_follow_the_formulas_exactly() {
 
 #[test]
 fn min_tokens_and_ignore_eos_mask_stops() {
-    let mut s = Sampler::new(params(|p| {
-        p.min_tokens = 1;
-        p.stop_token_ids = vec![2];
-    }), &[], 4, 3).unwrap();
+    let mut s = Sampler::new(
+        params(|p| {
+            p.min_tokens = 1;
+            p.stop_token_ids = vec![2];
+        }),
+        &[],
+        4,
+        3,
+    )
+    .unwrap();
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l);
     assert_eq!(l, vec![0.0, 0.0, f32::NEG_INFINITY, f32::NEG_INFINITY]);
@@ -113,11 +119,17 @@ fn top_k_draws_only_the_k_best() {
 
 /// Pearson chi-square of draws against softmax(logits / T).
 fn chi_square(logits: &[f32], t: f32, top_p: f32, draws: usize) -> f64 {
-    let mut s = Sampler::new(params(|p| {
-        p.temperature = t;
-        p.top_p = top_p;
-        p.seed = Some(12345);
-    }), &[], logits.len(), logits.len() as u32 + 1).unwrap();
+    let mut s = Sampler::new(
+        params(|p| {
+            p.temperature = t;
+            p.top_p = top_p;
+            p.seed = Some(12345);
+        }),
+        &[],
+        logits.len(),
+        logits.len() as u32 + 1,
+    )
+    .unwrap();
     let mut counts = vec![0usize; logits.len()];
     for _ in 0..draws {
         counts[s.sample(&mut logits.to_vec()) as usize] += 1;
@@ -155,10 +167,14 @@ fn chi_square_detects_a_wrong_temperature() {
         counts[s.sample(&mut logits.clone()) as usize] += 1.0;
     }
     let z: f64 = logits.iter().map(|l| (*l as f64).exp()).sum();
-    let chi: f64 = logits.iter().zip(counts).map(|(l, c)| {
-        let e = (*l as f64).exp() / z * 60_000.0;
-        (c - e).powi(2) / e
-    }).sum();
+    let chi: f64 = logits
+        .iter()
+        .zip(counts)
+        .map(|(l, c)| {
+            let e = (*l as f64).exp() / z * 60_000.0;
+            (c - e).powi(2) / e
+        })
+        .sum();
     assert!(chi > 100.0, "chi {chi}");
 }
 
@@ -170,5 +186,7 @@ fn invalid_params_are_rejected() {
     assert!(params(|p| {
         p.min_tokens = 5;
         p.max_tokens = 2;
-    }).validate().is_err());
+    })
+    .validate()
+    .is_err());
 }

@@ -9,11 +9,11 @@
 
 use candle_core::Tensor;
 
+use crate::batch::{Member, Work};
 use crate::engine::Generator;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::loader::MAX_LOOPS;
-use crate::batch::{Member, Work};
 
 pub use crate::tree::top_k;
 
@@ -50,13 +50,23 @@ pub struct DraftStats {
 impl Generator {
     /// Switch this generator to self-speculative decoding; its `loops` becomes the verify depth.
     pub fn with_speculation(mut self, cfg: SpecConfig) -> Result<Self> {
-        ensure_arg!(cfg.draft_loops >= 1 && cfg.draft_loops < self.loops,
-            "draft_loops ({}) must be at least 1 and below verify_loops ({})", cfg.draft_loops, self.loops);
+        ensure_arg!(
+            cfg.draft_loops >= 1 && cfg.draft_loops < self.loops,
+            "draft_loops ({}) must be at least 1 and below verify_loops ({})",
+            cfg.draft_loops,
+            self.loops
+        );
         ensure_arg!((1..=MAX_LOOPS).contains(&cfg.draft_ahead), "draft_ahead must be in 1..={MAX_LOOPS}");
-        ensure_arg!(cfg.k_branches >= 1 && cfg.k_branches * cfg.draft_ahead <= MAX_TREE_ROWS,
-            "K_branches * draft_ahead must be between 1 and {MAX_TREE_ROWS}, got {} * {}", cfg.k_branches, cfg.draft_ahead);
-        ensure_arg!(cfg.k_branches == 1 || self.sampler.params().temperature == 0.0,
-            "tree speculative decoding (K_branches > 1) is greedy-only: set temperature to 0");
+        ensure_arg!(
+            cfg.k_branches >= 1 && cfg.k_branches * cfg.draft_ahead <= MAX_TREE_ROWS,
+            "K_branches * draft_ahead must be between 1 and {MAX_TREE_ROWS}, got {} * {}",
+            cfg.k_branches,
+            cfg.draft_ahead
+        );
+        ensure_arg!(
+            cfg.k_branches == 1 || self.sampler.params().temperature == 0.0,
+            "tree speculative decoding (K_branches > 1) is greedy-only: set temperature to 0"
+        );
         self.spec = Some(cfg);
         Ok(self)
     }

@@ -15,7 +15,9 @@ use crate::spec::SpecConfig;
 pub fn top_k(logits: &[f32], k: usize) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(ids.len());
-    ids.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    ids.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
+        logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+    });
     ids.truncate(k);
     ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     ids
