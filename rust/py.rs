@@ -6,17 +6,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::batch::step_batch;
-use crate::engine::{Engine as RsEngine, Generator, Step};
 use crate::error::Error;
+use crate::generate::{
+    step_batch, Engine as RsEngine, Generation as RsGeneration, Generator, Speculative as RsSpeculative, Step,
+};
 use crate::kv::KvCache;
-use crate::model::{LogitRows, SeqChunk};
+use crate::limits::{
+    MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, MAX_TREE_ROWS,
+    PREFILL_CHUNK, WINDOW_SLACK,
+};
 use crate::sampler::SamplingParams as RsParams;
-use crate::spec::SpecConfig;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
 create_exception!(
@@ -207,9 +210,93 @@ impl ModelInfo {
     }
 }
 
+/// Self-speculative settings: draft `draft_ahead` tokens at `draft_loops` loops, verify at `verify_loops`;
+/// `k_branches > 1` drafts a tree (greedy only). Checked when a generation starts, not here.
+#[pyclass(name = "Speculative", frozen, module = "tinyloop._core")]
+#[derive(Clone)]
+struct PySpeculative(RsSpeculative);
+
+#[pymethods]
+impl PySpeculative {
+    #[new]
+    #[pyo3(signature = (draft_loops, verify_loops, draft_ahead, k_branches=1))]
+    fn new(draft_loops: usize, verify_loops: usize, draft_ahead: usize, k_branches: usize) -> Self {
+        Self(RsSpeculative { draft_loops, verify_loops, draft_ahead, k_branches })
+    }
+
+    #[getter]
+    fn draft_loops(&self) -> usize {
+        self.0.draft_loops
+    }
+    #[getter]
+    fn verify_loops(&self) -> usize {
+        self.0.verify_loops
+    }
+    #[getter]
+    fn draft_ahead(&self) -> usize {
+        self.0.draft_ahead
+    }
+    #[getter]
+    fn k_branches(&self) -> usize {
+        self.0.k_branches
+    }
+
+    fn __repr__(&self) -> String {
+        let RsSpeculative { draft_loops, verify_loops, draft_ahead, k_branches } = self.0;
+        format!("Speculative(draft_loops={draft_loops}, verify_loops={verify_loops}, draft_ahead={draft_ahead}, k_branches={k_branches})")
+    }
+}
+
+/// What one generation runs: sampling parameters, loop depth (the model's default when None), speculative
+/// settings and sliding window. Checked when a generation starts, not here.
+#[pyclass(name = "Generation", frozen, module = "tinyloop._core")]
+struct PyGeneration(RsGeneration);
+
+#[pymethods]
+impl PyGeneration {
+    #[new]
+    #[pyo3(signature = (params=None, *, loops=None, speculative=None, cache_window=0))]
+    fn new(
+        params: Option<&SamplingParams>,
+        loops: Option<usize>,
+        speculative: Option<&PySpeculative>,
+        cache_window: usize,
+    ) -> Self {
+        let params = params.map(|p| p.0.clone()).unwrap_or_default();
+        Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window })
+    }
+
+    #[getter]
+    fn params(&self) -> SamplingParams {
+        SamplingParams(self.0.params.clone())
+    }
+    #[getter]
+    fn loops(&self) -> Option<usize> {
+        self.0.loops
+    }
+    #[getter]
+    fn speculative(&self) -> Option<PySpeculative> {
+        self.0.speculative.map(PySpeculative)
+    }
+    #[getter]
+    fn cache_window(&self) -> usize {
+        self.0.cache_window
+    }
+
+    fn __repr__(&self) -> String {
+        let loops = self.0.loops.map_or("None".to_string(), |l| l.to_string());
+        let spec = self.0.speculative.map_or("None".to_string(), |s| PySpeculative(s).__repr__());
+        format!(
+            "Generation({}, loops={loops}, speculative={spec}, cache_window={})",
+            SamplingParams(self.0.params.clone()).__repr__(),
+            self.0.cache_window
+        )
+    }
+}
+
 /// Result of `Engine.generate`. The draft counters are 0 unless the generation was speculative.
 #[pyclass(frozen, get_all, module = "tinyloop._core")]
-struct Generation {
+struct Completion {
     tokens: Vec<u32>,
     text: String,
     finish_reason: String,
@@ -280,8 +367,15 @@ impl TokenStream {
     /// (rounds, proposed, accepted) draft tokens so far; zeros unless speculative.
     #[getter]
     fn draft_stats(&self) -> (usize, usize, usize) {
-        let d = self.generator.draft;
+        let d = self.generator.draft();
         (d.rounds, d.proposed, d.accepted)
+    }
+
+    /// The loop depth every token is chosen at: the requested loops (the model's default when None), or
+    /// verify_loops when speculative.
+    #[getter]
+    fn loops(&self) -> usize {
+        self.generator.loops()
     }
 }
 
@@ -298,11 +392,7 @@ impl Sequence {
     /// Feed `ids` at depth `loops`; returns float32 logits of every new row, `len(ids) * vocab` values, as bytes.
     fn feed<'py>(&mut self, py: Python<'py>, ids: Vec<u32>, loops: usize) -> PyResult<Bound<'py, PyBytes>> {
         let (engine, cache, pos) = (&self.engine, &mut self.cache, self.len);
-        let logits = computed(py, || {
-            let mut seqs = [SeqChunk { cache, pos, tokens: &ids, tree: None }];
-            let t = engine.model.forward(&mut seqs, loops, LogitRows::All)?;
-            Ok(t.flatten_all()?.to_vec1::<f32>()?)
-        })?;
+        let logits = computed(py, || engine.feed(cache, pos, &ids, loops))?;
         self.len += logits.len() / self.engine.config().vocab_size;
         let raw: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &raw))
@@ -338,26 +428,51 @@ impl Engine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn generator(
-        &self,
-        py: Python<'_>,
-        prompt: Prompt,
-        params: Option<&SamplingParams>,
-        loops: Option<usize>,
-        draft: Option<(usize, usize)>,
-        k_branches: usize,
-        cache_window: usize,
-    ) -> PyResult<Generator> {
+    fn generator(&self, py: Python<'_>, prompt: Prompt, args: Keywords) -> PyResult<Generator> {
+        let generation = args.generation(self.inner.config().default_loops)?;
         let ids = self.prompt_ids(py, prompt)?;
-        let params = params.map(|p| p.0.clone()).unwrap_or_default();
-        let g = Generator::new(self.inner.clone(), ids, params, loops, cache_window).map_err(to_py)?;
-        match draft {
-            Some((draft_loops, draft_ahead)) => {
-                g.with_speculation(SpecConfig { draft_loops, draft_ahead, k_branches }).map_err(to_py)
+        Generator::new(self.inner.clone(), ids, generation).map_err(to_py)
+    }
+}
+
+/// The arguments of `Engine.generate` / `Engine.stream`: `params` is a `SamplingParams` (or None) with the other
+/// keywords, or a whole `Generation` with the others left at their defaults. Either way one `Generation` results.
+struct Keywords<'a, 'py> {
+    params: Option<&'a Bound<'py, PyAny>>,
+    loops: Option<usize>,
+    draft: Option<(usize, usize)>,
+    k_branches: usize,
+    cache_window: usize,
+}
+
+impl Keywords<'_, '_> {
+    /// `draft=(draft_loops, draft_ahead)` verifies at `loops` (the model's `default_loops` when None).
+    fn generation(self, default_loops: usize) -> PyResult<RsGeneration> {
+        let Keywords { params, loops, draft, k_branches, cache_window } = self;
+        if let Some(plan) = params.and_then(|p| p.cast::<PyGeneration>().ok()) {
+            if loops.is_some() || draft.is_some() || k_branches != 1 || cache_window != 0 {
+                return Err(PyTypeError::new_err(
+                    "with a Generation as params, leave loops, draft, k_branches and cache_window at their \
+                     defaults: the Generation holds them",
+                ));
             }
-            None => Ok(g),
+            return Ok(plan.get().0.clone());
         }
+        let params = match params {
+            None => RsParams::default(),
+            Some(p) => match p.cast::<SamplingParams>() {
+                Ok(p) => p.get().0.clone(),
+                Err(_) => return Err(PyTypeError::new_err("params must be a SamplingParams, a Generation or None")),
+            },
+        };
+        let speculative = draft.map(|(draft_loops, draft_ahead)| RsSpeculative {
+            draft_loops,
+            verify_loops: loops.unwrap_or(default_loops),
+            draft_ahead,
+            k_branches,
+        });
+        let loops = if speculative.is_some() { None } else { loops };
+        Ok(RsGeneration { params, loops, speculative, cache_window })
     }
 }
 
@@ -434,51 +549,55 @@ impl Engine {
 
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
+    /// `params` may instead be a `Generation` holding all of it (the other arguments then stay at their defaults).
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
     fn generate(
         &self,
         py: Python<'_>,
         prompt: Prompt,
-        params: Option<&SamplingParams>,
+        params: Option<&Bound<'_, PyAny>>,
         loops: Option<usize>,
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
-    ) -> PyResult<Generation> {
-        let mut g = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
+    ) -> PyResult<Completion> {
+        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let mut g = self.generator(py, prompt, args)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = computed(py, || {
             let finish = g.run()?;
-            Ok((finish, tok.decode(&g.output)?))
+            Ok((finish, tok.decode(g.output())?))
         })?;
-        Ok(Generation {
-            completion_tokens: g.output.len(),
+        let draft = g.draft();
+        Ok(Completion {
+            completion_tokens: g.output().len(),
             prompt_tokens: g.prompt_len(),
-            draft_rounds: g.draft.rounds,
-            draft_proposed: g.draft.proposed,
-            draft_accepted: g.draft.accepted,
-            tokens: g.output,
+            draft_rounds: draft.rounds,
+            draft_proposed: draft.proposed,
+            draft_accepted: draft.accepted,
+            tokens: g.output().to_vec(),
             text,
             finish_reason: finish.as_str().to_string(),
         })
     }
 
     /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
-    /// a speculative round runs when no verified token is waiting.
+    /// a speculative round runs when no verified token is waiting. Arguments as `generate`.
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
     fn stream(
         &self,
         py: Python<'_>,
         prompt: Prompt,
-        params: Option<&SamplingParams>,
+        params: Option<&Bound<'_, PyAny>>,
         loops: Option<usize>,
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
     ) -> PyResult<TokenStream> {
-        let generator = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
+        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let generator = self.generator(py, prompt, args)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
 
@@ -533,7 +652,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;
-    m.add_class::<Generation>()?;
+    m.add_class::<PyGeneration>()?;
+    m.add_class::<PySpeculative>()?;
+    m.add_class::<Completion>()?;
     m.add_class::<StepEvent>()?;
     m.add_class::<TokenStream>()?;
     m.add_class::<Sequence>()?;
@@ -543,6 +664,16 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
+    // The limits the HTTP layer checks requests against (rust/limits.rs).
+    m.add("MAX_LOOPS", MAX_LOOPS)?;
+    m.add("MAX_TREE_ROWS", MAX_TREE_ROWS)?;
+    m.add("MAX_DRAFT_LOOPS", MAX_DRAFT_LOOPS)?;
+    m.add("MAX_DRAFT_AHEAD", MAX_DRAFT_AHEAD)?;
+    m.add("MAX_BRANCHES", MAX_BRANCHES)?;
+    m.add("MAX_CACHE_WINDOW", MAX_CACHE_WINDOW)?;
+    m.add("MAX_TOP_K", MAX_TOP_K)?;
+    m.add("PREFILL_CHUNK", PREFILL_CHUNK)?;
+    m.add("WINDOW_SLACK", WINDOW_SLACK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("__commit__", env!("TINYLOOP_GIT_COMMIT"))?;
     Ok(())

@@ -51,7 +51,8 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Reject values no sampler can honour (the HTTP layer applies the API's narrower ranges first).
+    /// Reject values no sampler can honour (the HTTP layer applies the API's narrower ranges first). Called by
+    /// `Generator::new` (as part of `Generation::validate`) and by the Python constructor, which fails early.
     pub fn validate(&self) -> Result<()> {
         ensure_arg!(
             self.temperature.is_finite() && self.temperature >= 0.0,
@@ -89,8 +90,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Result<Self> {
-        params.validate()?;
+    /// A sampler for `params` (validated where they entered: `Generator::new`).
+    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Self {
+        debug_assert!(params.validate().is_ok(), "sampling parameters are validated on entry");
         let rng = match params.seed {
             Some(s) => ChaCha8Rng::seed_from_u64(s),
             None => ChaCha8Rng::from_rng(&mut rand::rng()),
@@ -101,7 +103,7 @@ impl Sampler {
                 *s = true;
             }
         }
-        Ok(Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos })
+        Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos }
     }
 
     pub fn params(&self) -> &SamplingParams {

@@ -11,13 +11,11 @@ use rustc_hash::FxHashMap;
 use tiktoken_rs::CoreBPE;
 
 use crate::error::{Error, Result};
+use crate::limits::MAX_CONTROL_TOKENS;
 use crate::loader::VocabData;
 
 const GPT2_PATTERN: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s";
 const TOKEN_TYPE_CONTROL: i64 = 3;
-/// Control tokens become one alternation regex, which costs kilobytes per token to build; GPT-2 has one, and
-/// vocabularies that reserve many have a few hundred.
-pub const MAX_CONTROL_TOKENS: usize = 1024;
 
 pub struct Tokenizer {
     bpe: CoreBPE,

@@ -9,7 +9,7 @@
 //! key for all rows, with each row's 64-wide piece of the output in four registers.
 //!
 //! A score is the same float whichever way it is computed — by the tree, by `hsum` of one chain (the keys past the
-//! last full block, and `kv_elem::f16_dot`), alone or in a block of rows — and each output lane adds its value rows
+//! last full block, and `kv::elem::f16_dot`), alone or in a block of rows — and each output lane adds its value rows
 //! in index order, as `KvElem::weighted_sum` does. So a row's output never depends on the rows attended alongside it
 //! (batched, chunked, verified or decoded alone: the same bits).
 
@@ -18,26 +18,13 @@ use std::arch::x86_64::*;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kv::AttnShape;
-use crate::kv_elem::softmax_in_place;
+use super::simd::{hsum, softmax_in_place};
+use super::AttnShape;
+use crate::limits::ATTN_PARALLEL_MIN;
 
 const LANES: usize = 16;
 /// Query rows attended together (`ROWS` × 4 accumulators + 4 value registers fit in the 32 vector registers).
 pub const ROWS: usize = 6;
-
-/// The sum of a vector's 16 lanes, pairing lanes (i, i+8), then (i, i+4), (i, i+2), (i, i+1) — the order of each
-/// lane of `reduce_16x16`.
-///
-/// # Safety
-/// The CPU must have AVX-512 F (this module's cfg).
-#[inline(always)]
-pub unsafe fn hsum(a: __m512) -> f32 {
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-    let b = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
-    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps::<1>(b));
-    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
-}
 
 /// Lane j of the result is `hsum(a[j])`, bit for bit, for 16 vectors at once (45 shuffles and adds instead of 16
 /// reductions). Each level adds the same lane pairs as `hsum`; the pairing of keys at level one puts key j in lane j.
@@ -88,7 +75,7 @@ pub unsafe fn attend_rows(
     scratch: &mut Scratch,
 ) {
     let n = rows.n;
-    debug_assert!(hd % 64 == 0 && n <= ROWS && out.len() >= n);
+    debug_assert!(hd.is_multiple_of(64) && n <= ROWS && out.len() >= n);
     let lo = rows.ranges[..n].iter().map(|r| r.0).min().unwrap_or(0);
     let hi = rows.ranges[..n].iter().map(|r| r.1).max().unwrap_or(0);
     let span = hi - lo;
@@ -156,19 +143,25 @@ pub unsafe fn attend_rows(
     }
 }
 
-/// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V (`[kv_head][cap][hd]`), row
-/// i seeing the cache indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the rayon pool.
+/// One slot of an f16 KV cache: keys and values `[kv_head][cap][head_dim]`.
+pub struct F16Heads<'a> {
+    pub keys: &'a [f16],
+    pub values: &'a [f16],
+    pub shape: AttnShape,
+    pub cap: usize,
+}
+
+/// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V, row i seeing the cache
+/// indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the
+/// rayon pool.
 pub fn attend_blocks(
-    keys: &[f16],
-    values: &[f16],
-    shape: AttnShape,
-    cap: usize,
+    heads: F16Heads,
     q: &[f32],
     out: &mut [f32],
     work: usize,
     range: impl Fn(usize) -> (usize, usize) + Sync,
 ) {
-    let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
+    let F16Heads { keys, values, shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap } = heads;
     assert!(
         hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(),
         "f16 attention shapes"
@@ -196,7 +189,7 @@ pub fn attend_blocks(
     let tasks = n.div_ceil(ROWS) * n_heads;
     // attend_rows makes no rayon calls, so a thread never re-enters its scratch.
     let run = |i| SCRATCH.with_borrow_mut(|s| task(s, i));
-    if work < 1 << 16 {
+    if work < ATTN_PARALLEL_MIN {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);

@@ -2,7 +2,7 @@
 //! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
 //! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
 //!
-//! Modes (`KvKind`, element formats in `kv_elem.rs`): f32 for models whose weights are F32 and f16 for every other
+//! Modes (`KvKind`, element formats in `elem.rs`): f32 for models whose weights are F32 and f16 for every other
 //! model (together the API's "fp16"), "int8", "int4", and "int4-h" (int4 after a Hadamard rotation of each head).
 //! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products;
 //! per-row metadata (scales) is `[kv_head][position]`.
@@ -13,14 +13,12 @@
 //! the position stored at index 0). RoPE positions stay absolute, since K is stored already rotated.
 
 use half::f16;
-use rayon::prelude::*;
 
+use super::attend::{attend, Ctx, RowLayout, SlotView};
+use super::elem::{hadamard, KvElem, Nibbles};
 use crate::error::{Error, Result};
-use crate::kv_elem::{hadamard, softmax_in_place, KvElem, Nibbles};
-
-/// Positions a windowed slot keeps below the oldest one still visible, so that rolling back a speculative round
-/// (at most 64 rows) never needs a dropped key.
-pub const WINDOW_SLACK: usize = 65;
+use crate::kernels::AttnShape;
+use crate::limits::WINDOW_SLACK;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
@@ -95,14 +93,6 @@ macro_rules! each_slot {
             SlotBuf::I4($s) => $body,
         }
     };
-}
-
-/// Shape of attention for one call: `n_heads` query heads share `n_kv_heads` K/V heads (GQA).
-#[derive(Debug, Clone, Copy)]
-pub struct AttnShape {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
 }
 
 pub struct KvCache {
@@ -224,7 +214,11 @@ impl KvCache {
             KvKind::Int8 => SlotBuf::I8(Slot::new(heads, cap, head_dim)),
             KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new(heads, cap, head_dim)),
         });
-        each_slot!(buf, s => s.write_and_attend(ctx, layout, k, v, q, out))
+        each_slot!(buf, s => {
+            s.write(ctx, layout, k, v)?;
+            attend(s.view(), ctx, layout, q, out);
+            Ok(())
+        })
     }
 
     /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
@@ -234,23 +228,6 @@ impl KvCache {
             each_slot!(slot, s => s.move_position(heads, cap, hd, from, to));
         }
     }
-}
-
-/// Where each new row is stored and what it may attend to (see `KvCache::write_rows_and_attend`).
-pub struct RowLayout<'a> {
-    pub store: &'a [usize],
-    pub prefix: &'a [usize],
-    pub extra: &'a [Vec<usize>],
-    /// Each row's RoPE position (where its window starts from).
-    pub pos: &'a [usize],
-}
-
-#[derive(Clone, Copy)]
-struct Ctx {
-    shape: AttnShape,
-    cap: usize,
-    window: usize,
-    rotate: bool,
 }
 
 impl<T: KvElem> Slot<T> {
@@ -269,25 +246,18 @@ impl<T: KvElem> Slot<T> {
         self.base = keep;
     }
 
-    fn write_and_attend(
-        &mut self,
-        ctx: Ctx,
-        layout: &RowLayout,
-        k: &[f32],
-        v: &[f32],
-        q: &[f32],
-        out: &mut [f32],
-    ) -> Result<()> {
-        let Ctx { shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap, window, rotate } = ctx;
+    /// Store the rows' K/V at their indices, first dropping positions no row can see any more when the
+    /// window's capacity would be exceeded.
+    fn write(&mut self, ctx: Ctx, layout: &RowLayout, k: &[f32], v: &[f32]) -> Result<()> {
+        let Ctx { shape: AttnShape { n_kv_heads, head_dim: hd, .. }, cap, window, rotate } = ctx;
         let w = hd / T::PACK;
-        let visible_from = |i: usize| if window > 0 { (layout.pos[i] + 1).saturating_sub(window) } else { 0 };
         let lo_store = layout.store.iter().min().copied().unwrap_or(0);
         let hi = layout.store.iter().max().copied().unwrap_or(0);
         if lo_store < self.base {
             return Err(Error::Internal(format!("position {lo_store} was already dropped by the KV window")));
         }
         if hi - self.base >= cap {
-            let oldest = (0..layout.store.len()).map(visible_from).min().unwrap_or(0);
+            let oldest = (0..layout.store.len()).map(|i| layout.visible_from(i, window)).min().unwrap_or(0);
             let keep = oldest.saturating_sub(WINDOW_SLACK).max(self.base).min(lo_store).min(self.len);
             if hi - keep >= cap {
                 return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
@@ -310,50 +280,12 @@ impl<T: KvElem> Slot<T> {
             }
         }
         self.len = hi + 1;
-        let group = n_heads / n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (ks, vs, kms, vms, base) = (&self.k, &self.v, &self.k_meta, &self.v_meta, self.base);
-        let work: usize =
-            layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-        if let (true, Some(keys), Some(values)) =
-            (layout.extra.is_empty() && hd.is_multiple_of(64), T::as_f16(ks), T::as_f16(vs))
-        {
-            crate::attn_f16::attend_blocks(keys, values, ctx.shape, cap, q, out, work, |i| {
-                (visible_from(i).max(base) - base, layout.prefix[i] - base)
-            });
-            return Ok(());
-        }
-        const NONE: &[usize] = &[];
-        // One task per (row, head); each writes its own head_dim-wide piece of `out`.
-        let task = |(idx, o): (usize, &mut [f32])| {
-            let (i, h) = (idx / n_heads, idx % n_heads);
-            let g = h / group;
-            let head = HeadView {
-                keys: &ks[g * cap * w..(g + 1) * cap * w],
-                values: &vs[g * cap * w..(g + 1) * cap * w],
-                k_meta: &kms[g * cap..(g + 1) * cap],
-                v_meta: &vms[g * cap..(g + 1) * cap],
-            };
-            let from = visible_from(i).max(base);
-            let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
-            let visible = (from..layout.prefix[i]).chain(extra.iter().copied()).map(|t| t - base);
-            let q_row = &q[idx * hd..(idx + 1) * hd];
-            if rotate {
-                let mut qr = q_row.to_vec();
-                hadamard(&mut qr);
-                attend_one(&qr, &head, visible, hd, scale, o);
-                hadamard(o);
-            } else {
-                attend_one(q_row, &head, visible, hd, scale, o);
-            }
-        };
-        if work < 1 << 16 {
-            out.chunks_mut(hd).enumerate().for_each(task);
-        } else {
-            out.par_chunks_mut(hd).enumerate().for_each(task);
-        }
         Ok(())
+    }
+
+    /// What attention reads of this slot.
+    fn view(&self) -> SlotView<'_, T> {
+        SlotView { keys: &self.k, values: &self.v, k_meta: &self.k_meta, v_meta: &self.v_meta, base: self.base }
     }
 
     fn move_position(&mut self, heads: usize, cap: usize, hd: usize, from: usize, to: usize) {
@@ -369,31 +301,6 @@ impl<T: KvElem> Slot<T> {
             self.v_meta[g * cap + to] = self.v_meta[g * cap + from];
         }
     }
-}
-
-/// One KV head's stored keys and values, `[index][head_dim / PACK]`, and their per-index metadata.
-struct HeadView<'a, T: KvElem> {
-    keys: &'a [T],
-    values: &'a [T],
-    k_meta: &'a [T::Meta],
-    v_meta: &'a [T::Meta],
-}
-
-/// softmax(q·Kᵀ·scale)·V for one query row over the stored indices `visible`, accumulated in f32.
-fn attend_one<T: KvElem>(
-    q: &[f32],
-    head: &HeadView<T>,
-    visible: impl Iterator<Item = usize> + Clone,
-    hd: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let w = hd / T::PACK;
-    let q_sum: f32 = q.iter().sum();
-    let mut scores: Vec<f32> =
-        visible.clone().map(|t| T::dot(&head.keys[t * w..(t + 1) * w], head.k_meta[t], q, q_sum) * scale).collect();
-    softmax_in_place(&mut scores);
-    T::weighted_sum(head.values, head.v_meta, w, visible, &scores, out);
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //!
 //! - inputs are quantized per 32-value block exactly as ggml's x86 code does (`d = amax / 127` stored as f16,
 //!   `x / d` rounded to nearest, ties to even), so the arithmetic is the one llama.cpp runs on the same weights;
-//! - weights are repacked at load into panels of 64 rows (rust/panels.rs): for each block, each group of 4 input
+//! - weights are repacked at load into panels of 64 rows (`kernels::panels`): for each block, each group of 4 input
 //!   positions holds the 64 rows' 4 codes side by side — one 64-byte vector per 16 rows — with the rows' f32
 //!   scales next to them;
 //! - `vpdpbusd` multiplies 16 rows' 4 codes by 4 input bytes broadcast to every lane, so each lane collects one
@@ -19,9 +19,9 @@ use std::arch::x86_64::*;
 use candle_core::quantized::QTensor;
 use half::f16;
 
+use super::panels::{panels, Block, PanelKernel, PANEL};
+use super::Kernel;
 use crate::error::{Error, Result};
-use crate::linear::Kernel;
-use crate::panels::{panels, Block, PanelKernel, PANEL};
 
 const QK: usize = 32;
 /// Input rows one pass over a panel's blocks serves (their integer and float accumulators fill the registers).
@@ -349,10 +349,10 @@ mod tests {
         for (&(n, k, m), (dtype, codes)) in
             shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))])
         {
-            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
             let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
             let mat = QMatrix::new(&q, codes).unwrap();
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
             let mut all = vec![0f32; m * n];
             mat.matmul(&x, m, &mut all);
             // Reference: ggml's Q8_0 input quantization and per-block integer dot products, in f64.
