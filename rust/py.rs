@@ -55,8 +55,8 @@ fn to_py(e: Error) -> PyErr {
 }
 
 /// Run model work `f` with the GIL released on a thread of the rayon pool: the kernels' many parallel regions per
-/// step then start from a worker, instead of parking and waking the calling thread at every one of them (measured:
-/// the futex hand-offs were ~15% of a 16-stream decode). Tokenizing and loading stay on the calling thread.
+/// step then start from a worker, instead of parking and waking the calling thread at every one of them (those
+/// futex hand-offs cost ~15% of a 16-stream decode). Tokenizing and loading stay on the calling thread.
 fn computed<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
     detached(py, || rayon::scope(|_| f()))
 }
@@ -79,7 +79,7 @@ enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// Frozen sampling parameters (module doc of `rust/sampler.rs` gives the exact semantics).
+/// Frozen sampling parameters (the module doc of `sampler.rs` gives the exact semantics).
 #[pyclass(frozen, module = "tinyloop._core")]
 #[derive(Clone)]
 struct SamplingParams(RsParams);
@@ -664,7 +664,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
-    // The limits the HTTP layer checks requests against (rust/limits.rs).
+    // The limits the HTTP layer checks requests against (`limits.rs`).
     m.add("MAX_LOOPS", MAX_LOOPS)?;
     m.add("MAX_TREE_ROWS", MAX_TREE_ROWS)?;
     m.add("MAX_DRAFT_LOOPS", MAX_DRAFT_LOOPS)?;

@@ -65,6 +65,7 @@ pub struct Scratch {
 ///
 /// # Safety
 /// As `hsum`. Ranges must lie inside `keys` / `values`, `q[r]` and `out[r]` must hold `hd` values.
+// 77 lines: the hot kernel's score, softmax and value phases share one scratch block and stay one unit.
 pub unsafe fn attend_rows(
     keys: &[f16],
     values: &[f16],

@@ -100,8 +100,8 @@ struct DenseRun<'a, W: Dense> {
 }
 
 impl<W: Dense> PanelKernel for DenseRun<'_, W> {
-    /// None: widening a panel to f32 once per matmul (for 12+ rows) was tried and measured slower than widening in
-    /// registers at every row block — the 64 KB widened panel went through L2 (prefill −15%, 16 streams −20%).
+    /// None: widening a panel to f32 once per matmul (for 12+ rows) measures slower than widening in
+    /// registers at every row block — the 64 KB widened panel goes through L2 (prefill −15%, 16 streams −20%).
     type Scratch = ();
 
     fn block(&self, p: usize, _: &(), i0: usize, rows: usize, out: &mut Block) {

@@ -110,8 +110,9 @@ impl QMatrix {
     }
 
     /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     /// `unpacked`: Q4_0 only, the panel's codes as one byte each (`unpack`), or empty to expand the nibbles here.
+    // 87 lines: the hot kernel keeps its accumulators in registers across the three code layouts' inner loops.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn panel_dots<const R: usize>(
         &self,
         xq: &Q8Rows,
@@ -210,7 +211,7 @@ struct QRun<'a> {
 /// From this many input rows on, a Q4_0 panel's nibbles are expanded to bytes once per matmul instead of at every
 /// pass of up to `ROWS` rows (a 512-row prefill would otherwise expand each code 171 times) — while the expanded
 /// panel fits in L1 (48 KiB: inputs up to 768 wide). Wider panels stream from L2, where reading twice the bytes
-/// cost more than the expansion saved (the seed shape's 2,048-wide panels prefilled 15% slower that way).
+/// cost more than the expansion saved (2,048-wide panels prefill 15% slower that way).
 const UNPACK_MIN_ROWS: usize = 4 * ROWS;
 const UNPACK_MAX_BYTES: usize = 48 << 10;
 

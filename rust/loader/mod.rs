@@ -36,7 +36,7 @@ pub struct ModelFile {
     /// weights (a quantizer's fallback type for a few tensors, like Q2_K's for rows not a multiple of 256, does not
     /// change the label); "mixed" only when no type holds a majority.
     pub quant: String,
-    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (rust/draft_head.rs), if listed.
+    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (`model::draft_head`), if listed.
     pub draft_ids: Option<Vec<u32>>,
 }
 
