@@ -287,7 +287,7 @@ impl PyGeneration {
         let loops = self.0.loops.map_or("None".to_string(), |l| l.to_string());
         let spec = self.0.speculative.map_or("None".to_string(), |s| PySpeculative(s).__repr__());
         format!(
-            "Generation({}, loops={loops}, speculative={spec}, cache_window={})",
+            "Generation(params={}, loops={loops}, speculative={spec}, cache_window={})",
             SamplingParams(self.0.params.clone()).__repr__(),
             self.0.cache_window
         )
