@@ -1,6 +1,6 @@
 //! Bakes the git commit the extension is built from into `tinyloop._core.__commit__` (empty outside a checkout),
 //! and sets `cfg(vnni)` when the target CPU has AVX-512 F/BW/VNNI (`.cargo/config.toml` builds for the native CPU),
-//! which turns on tinyloop's own Q4_0 / Q8_0 kernel (rust/vnni.rs).
+//! which turns on tinyloop's own Q4_0 / Q8_0 kernel (rust/kernels/vnni.rs).
 use std::process::Command;
 
 fn main() {

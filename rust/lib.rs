@@ -1,34 +1,27 @@
 //! tinyloop: an inference engine for weight-shared looped transformer language models.
 //!
-//! `loader` reads the `.tinyloop` (GGUF) file, `tokenizer` is GPT-2 byte-level BPE, `model` is the candle forward
-//! pass, `kv` the cache and attention kernel, `sampler` turns logits into tokens, `engine` generates. `py` (feature
-//! `python`) is the only place that knows about Python.
+//! Layers, bottom up: `error` and `limits` (every bound, in one place); `kernels` (panel matmuls, f16 attention,
+//! vector math); `kv` (the cache and attention over it); `model` (config, layers, RoPE, the forward pass); `loader`
+//! (the `.tinyloop` GGUF file, docs/format.md); `tokenizer` (GPT-2 byte-level BPE); `sampler` (logits to tokens);
+//! `generate` (`Engine`, `Generation`, `Generator`: plain, speculative and batched generation, docs/engine.md).
+//! `py` (feature `python`) is the only place that knows about Python. No module imports one that imports it back
+//! (`scripts/rust-imports.py` checks).
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-pub mod attn_f16;
-pub mod batch;
-pub mod draft_head;
 pub mod error;
-pub mod engine;
+pub mod generate;
+pub mod kernels;
 pub mod kv;
-pub mod linear;
-pub mod kv_elem;
+pub mod limits;
 pub mod loader;
 pub mod model;
-pub(crate) mod panels;
-#[cfg(vnni)]
-pub mod vnni;
 pub mod sampler;
-pub mod simd;
-pub mod spec;
 pub mod tokenizer;
-pub mod tree;
 
 #[cfg(feature = "python")]
 mod py;
 
-pub use engine::{Engine, FinishReason, Generator, Step};
 pub use error::{Error, Result};
+pub use generate::{Engine, FinishReason, Generation, Generator, Speculative, Step};
 pub use sampler::SamplingParams;
 
 /// mimalloc rather than the system allocator: a server allocates and frees buffers of many sizes from several

@@ -6,24 +6,42 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::batch::step_batch;
-use crate::engine::{Engine as RsEngine, Generator, Step};
 use crate::error::Error;
+use crate::generate::{
+    step_batch, Engine as RsEngine, Generation as RsGeneration, Generator, Speculative as RsSpeculative, Step,
+};
 use crate::kv::KvCache;
-use crate::model::{LogitRows, SeqChunk};
+use crate::limits::{
+    MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, MAX_TREE_ROWS,
+    PREFILL_CHUNK, WINDOW_SLACK,
+};
 use crate::sampler::SamplingParams as RsParams;
-use crate::spec::SpecConfig;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
-create_exception!(_core, ModelLoadError, TinyloopError, "The model file is missing, not GGUF, or not a valid tinyloop model.");
-create_exception!(_core, TokenizerError, TinyloopError, "The vocabulary in the file cannot form a GPT-2 tokenizer, or text cannot be tokenized.");
+create_exception!(
+    _core,
+    ModelLoadError,
+    TinyloopError,
+    "The model file is missing, not GGUF, or not a valid tinyloop model."
+);
+create_exception!(
+    _core,
+    TokenizerError,
+    TinyloopError,
+    "The vocabulary in the file cannot form a GPT-2 tokenizer, or text cannot be tokenized."
+);
 create_exception!(_core, InvalidRequestError, TinyloopError, "An argument is out of range or inconsistent.");
 create_exception!(_core, ContextLengthError, InvalidRequestError, "Prompt plus max_tokens exceeds the sequence limit.");
-create_exception!(_core, EngineError, TinyloopError, "An internal engine failure (a bug): the request failed, the engine keeps serving.");
+create_exception!(
+    _core,
+    EngineError,
+    TinyloopError,
+    "An internal engine failure (a bug): the request failed, the engine keeps serving."
+);
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -37,8 +55,8 @@ fn to_py(e: Error) -> PyErr {
 }
 
 /// Run model work `f` with the GIL released on a thread of the rayon pool: the kernels' many parallel regions per
-/// step then start from a worker, instead of parking and waking the calling thread at every one of them (measured:
-/// the futex hand-offs were ~15% of a 16-stream decode). Tokenizing and loading stay on the calling thread.
+/// step then start from a worker, instead of parking and waking the calling thread at every one of them (those
+/// futex hand-offs cost ~15% of a 16-stream decode). Tokenizing and loading stay on the calling thread.
 fn computed<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
     detached(py, || rayon::scope(|_| f()))
 }
@@ -61,7 +79,7 @@ enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// Frozen sampling parameters (module doc of `rust/sampler.rs` gives the exact semantics).
+/// Frozen sampling parameters (the module doc of `sampler.rs` gives the exact semantics).
 #[pyclass(frozen, module = "tinyloop._core")]
 #[derive(Clone)]
 struct SamplingParams(RsParams);
@@ -85,33 +103,67 @@ impl SamplingParams {
         ignore_eos: bool,
         stop_token_ids: Vec<u32>,
     ) -> PyResult<Self> {
-        let p = RsParams { temperature, top_k, top_p, repetition_penalty, presence_penalty, frequency_penalty, seed, max_tokens, min_tokens, ignore_eos, stop_token_ids };
+        let p = RsParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            stop_token_ids,
+        };
         p.validate().map_err(to_py)?;
         Ok(Self(p))
     }
 
     #[getter]
-    fn temperature(&self) -> f32 { self.0.temperature }
+    fn temperature(&self) -> f32 {
+        self.0.temperature
+    }
     #[getter]
-    fn top_k(&self) -> usize { self.0.top_k }
+    fn top_k(&self) -> usize {
+        self.0.top_k
+    }
     #[getter]
-    fn top_p(&self) -> f32 { self.0.top_p }
+    fn top_p(&self) -> f32 {
+        self.0.top_p
+    }
     #[getter]
-    fn repetition_penalty(&self) -> f32 { self.0.repetition_penalty }
+    fn repetition_penalty(&self) -> f32 {
+        self.0.repetition_penalty
+    }
     #[getter]
-    fn presence_penalty(&self) -> f32 { self.0.presence_penalty }
+    fn presence_penalty(&self) -> f32 {
+        self.0.presence_penalty
+    }
     #[getter]
-    fn frequency_penalty(&self) -> f32 { self.0.frequency_penalty }
+    fn frequency_penalty(&self) -> f32 {
+        self.0.frequency_penalty
+    }
     #[getter]
-    fn seed(&self) -> Option<u64> { self.0.seed }
+    fn seed(&self) -> Option<u64> {
+        self.0.seed
+    }
     #[getter]
-    fn max_tokens(&self) -> usize { self.0.max_tokens }
+    fn max_tokens(&self) -> usize {
+        self.0.max_tokens
+    }
     #[getter]
-    fn min_tokens(&self) -> usize { self.0.min_tokens }
+    fn min_tokens(&self) -> usize {
+        self.0.min_tokens
+    }
     #[getter]
-    fn ignore_eos(&self) -> bool { self.0.ignore_eos }
+    fn ignore_eos(&self) -> bool {
+        self.0.ignore_eos
+    }
     #[getter]
-    fn stop_token_ids(&self) -> Vec<u32> { self.0.stop_token_ids.clone() }
+    fn stop_token_ids(&self) -> Vec<u32> {
+        self.0.stop_token_ids.clone()
+    }
 
     fn __repr__(&self) -> String {
         format!("SamplingParams({:?})", self.0)
@@ -144,14 +196,107 @@ struct ModelInfo {
 #[pymethods]
 impl ModelInfo {
     fn __repr__(&self) -> String {
-        format!("ModelInfo(name={:?}, dim={}, n_heads={}, n_kv_heads={}, ffn_dim={}, k={}, default_loops={}, quant={:?})",
-            self.name, self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.block_count, self.default_loops, self.quant)
+        format!(
+            "ModelInfo(name={:?}, dim={}, n_heads={}, n_kv_heads={}, ffn_dim={}, k={}, default_loops={}, quant={:?})",
+            self.name,
+            self.dim,
+            self.n_heads,
+            self.n_kv_heads,
+            self.ffn_dim,
+            self.block_count,
+            self.default_loops,
+            self.quant
+        )
+    }
+}
+
+/// Self-speculative settings: draft `draft_ahead` tokens at `draft_loops` loops, verify at `verify_loops`;
+/// `k_branches > 1` drafts a tree (greedy only). Checked when a generation starts, not here.
+#[pyclass(name = "Speculative", frozen, module = "tinyloop._core")]
+#[derive(Clone)]
+struct PySpeculative(RsSpeculative);
+
+#[pymethods]
+impl PySpeculative {
+    #[new]
+    #[pyo3(signature = (draft_loops, verify_loops, draft_ahead, k_branches=1))]
+    fn new(draft_loops: usize, verify_loops: usize, draft_ahead: usize, k_branches: usize) -> Self {
+        Self(RsSpeculative { draft_loops, verify_loops, draft_ahead, k_branches })
+    }
+
+    #[getter]
+    fn draft_loops(&self) -> usize {
+        self.0.draft_loops
+    }
+    #[getter]
+    fn verify_loops(&self) -> usize {
+        self.0.verify_loops
+    }
+    #[getter]
+    fn draft_ahead(&self) -> usize {
+        self.0.draft_ahead
+    }
+    #[getter]
+    fn k_branches(&self) -> usize {
+        self.0.k_branches
+    }
+
+    fn __repr__(&self) -> String {
+        let RsSpeculative { draft_loops, verify_loops, draft_ahead, k_branches } = self.0;
+        format!("Speculative(draft_loops={draft_loops}, verify_loops={verify_loops}, draft_ahead={draft_ahead}, k_branches={k_branches})")
+    }
+}
+
+/// What one generation runs: sampling parameters, loop depth (the model's default when None), speculative
+/// settings and sliding window. Checked when a generation starts, not here.
+#[pyclass(name = "Generation", frozen, module = "tinyloop._core")]
+struct PyGeneration(RsGeneration);
+
+#[pymethods]
+impl PyGeneration {
+    #[new]
+    #[pyo3(signature = (params=None, *, loops=None, speculative=None, cache_window=0))]
+    fn new(
+        params: Option<&SamplingParams>,
+        loops: Option<usize>,
+        speculative: Option<&PySpeculative>,
+        cache_window: usize,
+    ) -> Self {
+        let params = params.map(|p| p.0.clone()).unwrap_or_default();
+        Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window })
+    }
+
+    #[getter]
+    fn params(&self) -> SamplingParams {
+        SamplingParams(self.0.params.clone())
+    }
+    #[getter]
+    fn loops(&self) -> Option<usize> {
+        self.0.loops
+    }
+    #[getter]
+    fn speculative(&self) -> Option<PySpeculative> {
+        self.0.speculative.map(PySpeculative)
+    }
+    #[getter]
+    fn cache_window(&self) -> usize {
+        self.0.cache_window
+    }
+
+    fn __repr__(&self) -> String {
+        let loops = self.0.loops.map_or("None".to_string(), |l| l.to_string());
+        let spec = self.0.speculative.map_or("None".to_string(), |s| PySpeculative(s).__repr__());
+        format!(
+            "Generation(params={}, loops={loops}, speculative={spec}, cache_window={})",
+            SamplingParams(self.0.params.clone()).__repr__(),
+            self.0.cache_window
+        )
     }
 }
 
 /// Result of `Engine.generate`. The draft counters are 0 unless the generation was speculative.
 #[pyclass(frozen, get_all, module = "tinyloop._core")]
-struct Generation {
+struct Completion {
     tokens: Vec<u32>,
     text: String,
     finish_reason: String,
@@ -222,8 +367,15 @@ impl TokenStream {
     /// (rounds, proposed, accepted) draft tokens so far; zeros unless speculative.
     #[getter]
     fn draft_stats(&self) -> (usize, usize, usize) {
-        let d = self.generator.draft;
+        let d = self.generator.draft();
         (d.rounds, d.proposed, d.accepted)
+    }
+
+    /// The loop depth every token is chosen at: the requested loops (the model's default when None), or
+    /// verify_loops when speculative.
+    #[getter]
+    fn loops(&self) -> usize {
+        self.generator.loops()
     }
 }
 
@@ -240,11 +392,7 @@ impl Sequence {
     /// Feed `ids` at depth `loops`; returns float32 logits of every new row, `len(ids) * vocab` values, as bytes.
     fn feed<'py>(&mut self, py: Python<'py>, ids: Vec<u32>, loops: usize) -> PyResult<Bound<'py, PyBytes>> {
         let (engine, cache, pos) = (&self.engine, &mut self.cache, self.len);
-        let logits = computed(py, || {
-            let mut seqs = [SeqChunk { cache, pos, tokens: &ids, tree: None }];
-            let t = engine.model.forward(&mut seqs, loops, LogitRows::All)?;
-            Ok(t.flatten_all()?.to_vec1::<f32>()?)
-        })?;
+        let logits = computed(py, || engine.feed(cache, pos, &ids, loops))?;
         self.len += logits.len() / self.engine.config().vocab_size;
         let raw: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &raw))
@@ -280,18 +428,51 @@ impl Engine {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn generator(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                 draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generator> {
+    fn generator(&self, py: Python<'_>, prompt: Prompt, args: Keywords) -> PyResult<Generator> {
+        let generation = args.generation(self.inner.config().default_loops)?;
         let ids = self.prompt_ids(py, prompt)?;
-        let params = params.map(|p| p.0.clone()).unwrap_or_default();
-        let g = Generator::new(self.inner.clone(), ids, params, loops, cache_window).map_err(to_py)?;
-        match draft {
-            Some((draft_loops, draft_ahead)) => {
-                g.with_speculation(SpecConfig { draft_loops, draft_ahead, k_branches }).map_err(to_py)
+        Generator::new(self.inner.clone(), ids, generation).map_err(to_py)
+    }
+}
+
+/// The arguments of `Engine.generate` / `Engine.stream`: `params` is a `SamplingParams` (or None) with the other
+/// keywords, or a whole `Generation` with the others left at their defaults. Either way one `Generation` results.
+struct Keywords<'a, 'py> {
+    params: Option<&'a Bound<'py, PyAny>>,
+    loops: Option<usize>,
+    draft: Option<(usize, usize)>,
+    k_branches: usize,
+    cache_window: usize,
+}
+
+impl Keywords<'_, '_> {
+    /// `draft=(draft_loops, draft_ahead)` verifies at `loops` (the model's `default_loops` when None).
+    fn generation(self, default_loops: usize) -> PyResult<RsGeneration> {
+        let Keywords { params, loops, draft, k_branches, cache_window } = self;
+        if let Some(plan) = params.and_then(|p| p.cast::<PyGeneration>().ok()) {
+            if loops.is_some() || draft.is_some() || k_branches != 1 || cache_window != 0 {
+                return Err(PyTypeError::new_err(
+                    "with a Generation as params, leave loops, draft, k_branches and cache_window at their \
+                     defaults: the Generation holds them",
+                ));
             }
-            None => Ok(g),
+            return Ok(plan.get().0.clone());
         }
+        let params = match params {
+            None => RsParams::default(),
+            Some(p) => match p.cast::<SamplingParams>() {
+                Ok(p) => p.get().0.clone(),
+                Err(_) => return Err(PyTypeError::new_err("params must be a SamplingParams, a Generation or None")),
+            },
+        };
+        let speculative = draft.map(|(draft_loops, draft_ahead)| RsSpeculative {
+            draft_loops,
+            verify_loops: loops.unwrap_or(default_loops),
+            draft_ahead,
+            k_branches,
+        });
+        let loops = if speculative.is_some() { None } else { loops };
+        Ok(RsGeneration { params, loops, speculative, cache_window })
     }
 }
 
@@ -299,7 +480,13 @@ impl Engine {
 impl Engine {
     #[new]
     #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true))]
-    fn new(py: Python<'_>, path: PathBuf, max_seq_len: Option<usize>, kv_cache_mode: &str, draft_vocab: bool) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        max_seq_len: Option<usize>,
+        kv_cache_mode: &str,
+        draft_vocab: bool,
+    ) -> PyResult<Self> {
         let mut inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
         inner.model.set_use_draft_head(draft_vocab);
         Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
@@ -362,35 +549,55 @@ impl Engine {
 
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
+    /// `params` may instead be a `Generation` holding all of it (the other arguments then stay at their defaults).
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn generate(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-                draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<Generation> {
-        let mut g = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
+    #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        params: Option<&Bound<'_, PyAny>>,
+        loops: Option<usize>,
+        draft: Option<(usize, usize)>,
+        k_branches: usize,
+        cache_window: usize,
+    ) -> PyResult<Completion> {
+        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let mut g = self.generator(py, prompt, args)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = computed(py, || {
             let finish = g.run()?;
-            Ok((finish, tok.decode(&g.output)?))
+            Ok((finish, tok.decode(g.output())?))
         })?;
-        Ok(Generation {
-            completion_tokens: g.output.len(),
+        let draft = g.draft();
+        Ok(Completion {
+            completion_tokens: g.output().len(),
             prompt_tokens: g.prompt_len(),
-            draft_rounds: g.draft.rounds,
-            draft_proposed: g.draft.proposed,
-            draft_accepted: g.draft.accepted,
-            tokens: g.output,
+            draft_rounds: draft.rounds,
+            draft_proposed: draft.proposed,
+            draft_accepted: draft.accepted,
+            tokens: g.output().to_vec(),
             text,
             finish_reason: finish.as_str().to_string(),
         })
     }
 
     /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
-    /// a speculative round runs when no verified token is waiting.
+    /// a speculative round runs when no verified token is waiting. Arguments as `generate`.
     #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn stream(&self, py: Python<'_>, prompt: Prompt, params: Option<&SamplingParams>, loops: Option<usize>,
-              draft: Option<(usize, usize)>, k_branches: usize, cache_window: usize) -> PyResult<TokenStream> {
-        let generator = self.generator(py, prompt, params, loops, draft, k_branches, cache_window)?;
+    #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
+    fn stream(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        params: Option<&Bound<'_, PyAny>>,
+        loops: Option<usize>,
+        draft: Option<(usize, usize)>,
+        k_branches: usize,
+        cache_window: usize,
+    ) -> PyResult<TokenStream> {
+        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let generator = self.generator(py, prompt, args)?;
         Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
     }
 
@@ -399,7 +606,8 @@ impl Engine {
     /// `None` if it had already finished, or the exception its step raised (the stream is then finished).
     fn step_many(&self, py: Python<'_>, mut streams: Vec<PyRefMut<'_, TokenStream>>) -> PyResult<Vec<Py<PyAny>>> {
         let steps = {
-            let mut gens: Vec<&mut Generator> = streams.iter_mut().filter(|s| !s.done).map(|s| &mut s.generator).collect();
+            let mut gens: Vec<&mut Generator> =
+                streams.iter_mut().filter(|s| !s.done).map(|s| &mut s.generator).collect();
             computed(py, || Ok(step_batch(&mut gens)))?
         };
         let mut steps = steps.into_iter();
@@ -452,7 +660,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;
-    m.add_class::<Generation>()?;
+    m.add_class::<PyGeneration>()?;
+    m.add_class::<PySpeculative>()?;
+    m.add_class::<Completion>()?;
     m.add_class::<StepEvent>()?;
     m.add_class::<TokenStream>()?;
     m.add_class::<Sequence>()?;
@@ -462,6 +672,16 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
+    // The limits the HTTP layer checks requests against (`limits.rs`).
+    m.add("MAX_LOOPS", MAX_LOOPS)?;
+    m.add("MAX_TREE_ROWS", MAX_TREE_ROWS)?;
+    m.add("MAX_DRAFT_LOOPS", MAX_DRAFT_LOOPS)?;
+    m.add("MAX_DRAFT_AHEAD", MAX_DRAFT_AHEAD)?;
+    m.add("MAX_BRANCHES", MAX_BRANCHES)?;
+    m.add("MAX_CACHE_WINDOW", MAX_CACHE_WINDOW)?;
+    m.add("MAX_TOP_K", MAX_TOP_K)?;
+    m.add("PREFILL_CHUNK", PREFILL_CHUNK)?;
+    m.add("WINDOW_SLACK", WINDOW_SLACK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("__commit__", env!("TINYLOOP_GIT_COMMIT"))?;
     Ok(())

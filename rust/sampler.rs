@@ -51,15 +51,29 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Reject values no sampler can honour (the HTTP layer applies the API's narrower ranges first).
+    /// Reject values no sampler can honour (the HTTP layer applies the API's narrower ranges first). Called by
+    /// `Generator::new` (as part of `Generation::validate`) and by the Python constructor, which fails early.
     pub fn validate(&self) -> Result<()> {
-        ensure_arg!(self.temperature.is_finite() && self.temperature >= 0.0, "temperature must be >= 0, got {}", self.temperature);
+        ensure_arg!(
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "temperature must be >= 0, got {}",
+            self.temperature
+        );
         ensure_arg!((0.0..=1.0).contains(&self.top_p), "top_p must be in [0, 1], got {}", self.top_p);
-        ensure_arg!(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0, "repetition_penalty must be > 0, got {}", self.repetition_penalty);
+        ensure_arg!(
+            self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0,
+            "repetition_penalty must be > 0, got {}",
+            self.repetition_penalty
+        );
         ensure_arg!(self.presence_penalty.is_finite(), "presence_penalty must be finite");
         ensure_arg!(self.frequency_penalty.is_finite(), "frequency_penalty must be finite");
         ensure_arg!(self.max_tokens >= 1, "max_tokens must be >= 1");
-        ensure_arg!(self.min_tokens <= self.max_tokens, "min_tokens ({}) must not exceed max_tokens ({})", self.min_tokens, self.max_tokens);
+        ensure_arg!(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens ({}) must not exceed max_tokens ({})",
+            self.min_tokens,
+            self.max_tokens
+        );
         Ok(())
     }
 }
@@ -76,8 +90,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Result<Self> {
-        params.validate()?;
+    /// A sampler for `params` (validated where they entered: `Generator::new`).
+    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Self {
+        debug_assert!(params.validate().is_ok(), "sampling parameters are validated on entry");
         let rng = match params.seed {
             Some(s) => ChaCha8Rng::seed_from_u64(s),
             None => ChaCha8Rng::from_rng(&mut rand::rng()),
@@ -88,7 +103,7 @@ impl Sampler {
                 *s = true;
             }
         }
-        Ok(Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos })
+        Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -205,7 +220,8 @@ pub fn candidates(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) ->
     }
     let max = logits[order[0] as usize] as f64;
     let t = temperature as f64;
-    let mut probs: Vec<(u32, f64)> = order.iter().map(|&i| (i, ((logits[i as usize] as f64 - max) / t).exp())).collect();
+    let mut probs: Vec<(u32, f64)> =
+        order.iter().map(|&i| (i, ((logits[i as usize] as f64 - max) / t).exp())).collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
     if top_p < 1.0 {
         let target = top_p as f64 * total;

@@ -32,8 +32,8 @@ fn top_p_keeps_the_smallest_set_reaching_p() {
 
 #[test]
 fn temperature_zero_is_argmax_with_lowest_id_on_ties() {
-    let mut s = Sampler::new(params(|p| p.temperature = 0.0), &[], 5, 4).unwrap();
-    assert_eq!(s.sample(&mut vec![0.0, 3.0, 1.0, 3.0, -1.0]), 1);
+    let mut s = Sampler::new(params(|p| p.temperature = 0.0), &[], 5, 4);
+    assert_eq!(s.sample(&mut [0.0, 3.0, 1.0, 3.0, -1.0]), 1);
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn argmax_takes_the_first_of_equal_maxima_across_lanes_and_tail_and_skips_nan() 
 fn seed_reproduces_and_seeds_differ() {
     let logits = vec![0.0f32; 1000];
     let draw = |seed: u64| {
-        let mut s = Sampler::new(params(|p| p.seed = Some(seed)), &[], 1000, 999).unwrap();
+        let mut s = Sampler::new(params(|p| p.seed = Some(seed)), &[], 1000, 999);
         (0..50).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
     };
     assert_eq!(draw(7), draw(7));
@@ -69,7 +69,7 @@ fn penalties_follow_the_formulas_exactly() {
         p.presence_penalty = 0.5;
         p.frequency_penalty = 0.25;
     });
-    let mut s = Sampler::new(p, &[0, 1], 6, 5).unwrap();
+    let mut s = Sampler::new(p, &[0, 1], 6, 5);
     s.accept(2);
     s.accept(2);
     s.accept(3);
@@ -82,10 +82,15 @@ fn penalties_follow_the_formulas_exactly() {
 
 #[test]
 fn min_tokens_and_ignore_eos_mask_stops() {
-    let mut s = Sampler::new(params(|p| {
-        p.min_tokens = 1;
-        p.stop_token_ids = vec![2];
-    }), &[], 4, 3).unwrap();
+    let mut s = Sampler::new(
+        params(|p| {
+            p.min_tokens = 1;
+            p.stop_token_ids = vec![2];
+        }),
+        &[],
+        4,
+        3,
+    );
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l);
     assert_eq!(l, vec![0.0, 0.0, f32::NEG_INFINITY, f32::NEG_INFINITY]);
@@ -95,7 +100,7 @@ fn min_tokens_and_ignore_eos_mask_stops() {
     assert_eq!(l, vec![0.0, 0.0, 9.0, 9.0]);
     assert!(s.is_stop(2) && s.is_stop(3) && !s.is_stop(1));
 
-    let s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3).unwrap();
+    let s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3);
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l);
     assert_eq!(l[3], f32::NEG_INFINITY);
@@ -104,20 +109,25 @@ fn min_tokens_and_ignore_eos_mask_stops() {
 
 #[test]
 fn top_k_draws_only_the_k_best() {
-    let mut s = Sampler::new(params(|p| p.top_k = 2), &[], 5, 4).unwrap();
+    let mut s = Sampler::new(params(|p| p.top_k = 2), &[], 5, 4);
     for _ in 0..500 {
-        let t = s.sample(&mut vec![1.0, 5.0, 2.0, 4.9, 0.0]);
+        let t = s.sample(&mut [1.0, 5.0, 2.0, 4.9, 0.0]);
         assert!(t == 1 || t == 3, "drew {t}");
     }
 }
 
 /// Pearson chi-square of draws against softmax(logits / T).
 fn chi_square(logits: &[f32], t: f32, top_p: f32, draws: usize) -> f64 {
-    let mut s = Sampler::new(params(|p| {
-        p.temperature = t;
-        p.top_p = top_p;
-        p.seed = Some(12345);
-    }), &[], logits.len(), logits.len() as u32 + 1).unwrap();
+    let mut s = Sampler::new(
+        params(|p| {
+            p.temperature = t;
+            p.top_p = top_p;
+            p.seed = Some(12345);
+        }),
+        &[],
+        logits.len(),
+        logits.len() as u32 + 1,
+    );
     let mut counts = vec![0usize; logits.len()];
     for _ in 0..draws {
         counts[s.sample(&mut logits.to_vec()) as usize] += 1;
@@ -149,16 +159,20 @@ fn sampling_frequencies_match_softmax() {
 fn chi_square_detects_a_wrong_temperature() {
     // The statistic has power: draws at T = 0.7 judged against T = 1.0 fail clearly.
     let logits = vec![1.0f32, 2.0, 0.5, -1.0, 1.5, 0.0];
-    let mut s = Sampler::new(params(|p| p.temperature = 0.7), &[], 6, 7).unwrap();
+    let mut s = Sampler::new(params(|p| p.temperature = 0.7), &[], 6, 7);
     let mut counts = [0f64; 6];
     for _ in 0..60_000 {
         counts[s.sample(&mut logits.clone()) as usize] += 1.0;
     }
     let z: f64 = logits.iter().map(|l| (*l as f64).exp()).sum();
-    let chi: f64 = logits.iter().zip(counts).map(|(l, c)| {
-        let e = (*l as f64).exp() / z * 60_000.0;
-        (c - e).powi(2) / e
-    }).sum();
+    let chi: f64 = logits
+        .iter()
+        .zip(counts)
+        .map(|(l, c)| {
+            let e = (*l as f64).exp() / z * 60_000.0;
+            (c - e).powi(2) / e
+        })
+        .sum();
     assert!(chi > 100.0, "chi {chi}");
 }
 
@@ -170,5 +184,7 @@ fn invalid_params_are_rejected() {
     assert!(params(|p| {
         p.min_tokens = 5;
         p.max_tokens = 2;
-    }).validate().is_err());
+    })
+    .validate()
+    .is_err());
 }

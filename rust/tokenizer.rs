@@ -11,13 +11,11 @@ use rustc_hash::FxHashMap;
 use tiktoken_rs::CoreBPE;
 
 use crate::error::{Error, Result};
+use crate::limits::MAX_CONTROL_TOKENS;
 use crate::loader::VocabData;
 
 const GPT2_PATTERN: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s";
 const TOKEN_TYPE_CONTROL: i64 = 3;
-/// Control tokens become one alternation regex, which costs kilobytes per token to build; GPT-2 has one, and
-/// vocabularies that reserve many have a few hundred.
-pub const MAX_CONTROL_TOKENS: usize = 1024;
 
 pub struct Tokenizer {
     bpe: CoreBPE,
@@ -63,7 +61,11 @@ impl Tokenizer {
         let table = unicode_to_byte();
         let spell = |s: &str| -> Result<Vec<u8>> {
             s.chars()
-                .map(|c| table.get(&c).copied().ok_or_else(|| Error::Tokenizer(format!("token {s:?} has character {c:?} outside GPT-2's byte alphabet"))))
+                .map(|c| {
+                    table.get(&c).copied().ok_or_else(|| {
+                        Error::Tokenizer(format!("token {s:?} has character {c:?} outside GPT-2's byte alphabet"))
+                    })
+                })
                 .collect()
         };
         let mut encoder: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
@@ -93,12 +95,16 @@ impl Tokenizer {
         // Merges must be consistent with using ids as ranks.
         let mut last = 0u32;
         for (i, m) in v.merges.iter().enumerate() {
-            let (a, b) = m.split_once(' ').ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} is not \"left right\"")))?;
+            let (a, b) =
+                m.split_once(' ').ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} is not \"left right\"")))?;
             let mut joined = spell(a)?;
             joined.extend(spell(b)?);
-            let id = *encoder.get(&joined).ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} makes no token")))?;
+            let id =
+                *encoder.get(&joined).ok_or_else(|| Error::Tokenizer(format!("merge {i} {m:?} makes no token")))?;
             if id <= last && i > 0 {
-                return Err(Error::Tokenizer(format!("merge {i} {m:?} makes token {id}, not after {last}: ranks must follow ids")));
+                return Err(Error::Tokenizer(format!(
+                    "merge {i} {m:?} makes token {id}, not after {last}: ranks must follow ids"
+                )));
             }
             last = id;
         }
@@ -113,12 +119,15 @@ impl Tokenizer {
 
     /// Encode text; special-token text is encoded as ordinary text unless `allow_special`.
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
-        let allowed: HashSet<&str> = if allow_special { self.specials.iter().map(String::as_str).collect() } else { HashSet::new() };
+        let allowed: HashSet<&str> =
+            if allow_special { self.specials.iter().map(String::as_str).collect() } else { HashSet::new() };
         self.bpe.encode(text, &allowed).map(|(ids, _)| ids).map_err(|e| Error::Tokenizer(e.message))
     }
 
     pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
-        self.bytes.get(id as usize).map(Vec::as_slice).ok_or_else(|| Error::InvalidArgument(format!("token id {id} is outside the {}-token vocabulary", self.bytes.len())))
+        self.bytes.get(id as usize).map(Vec::as_slice).ok_or_else(|| {
+            Error::InvalidArgument(format!("token id {id} is outside the {}-token vocabulary", self.bytes.len()))
+        })
     }
 
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {

@@ -5,6 +5,16 @@
 """
 
 from ._core import (
+    MAX_BRANCHES,
+    MAX_CACHE_WINDOW,
+    MAX_DRAFT_AHEAD,
+    MAX_DRAFT_LOOPS,
+    MAX_LOOPS,
+    MAX_TOP_K,
+    MAX_TREE_ROWS,
+    PREFILL_CHUNK,
+    WINDOW_SLACK,
+    Completion,
     ContextLengthError,
     EngineError,
     Engine,
@@ -14,6 +24,7 @@ from ._core import (
     ModelLoadError,
     SamplingParams,
     Sequence,
+    Speculative,
     StepEvent,
     TinyloopError,
     TokenizerError,
@@ -22,6 +33,16 @@ from ._core import (
 )
 
 __all__ = [
+    "MAX_BRANCHES",
+    "MAX_CACHE_WINDOW",
+    "MAX_DRAFT_AHEAD",
+    "MAX_DRAFT_LOOPS",
+    "MAX_LOOPS",
+    "MAX_TOP_K",
+    "MAX_TREE_ROWS",
+    "PREFILL_CHUNK",
+    "WINDOW_SLACK",
+    "Completion",
     "ContextLengthError",
     "Engine",
     "EngineError",
@@ -31,6 +52,7 @@ __all__ = [
     "ModelLoadError",
     "SamplingParams",
     "Sequence",
+    "Speculative",
     "StepEvent",
     "TinyloopError",
     "TokenStream",

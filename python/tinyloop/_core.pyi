@@ -6,6 +6,17 @@ from os import PathLike
 __version__: str
 __commit__: str
 
+# Limits the engine enforces (rust/limits.rs); the HTTP schema checks requests against the same numbers.
+MAX_LOOPS: int  # loop depth of a generation: 1..=MAX_LOOPS
+MAX_TREE_ROWS: int  # k_branches * draft_ahead of a tree round
+MAX_DRAFT_LOOPS: int  # speculative draft depth
+MAX_DRAFT_AHEAD: int  # tokens drafted per speculative round
+MAX_BRANCHES: int  # k_branches of tree speculative decoding
+MAX_CACHE_WINDOW: int  # largest cache_window
+MAX_TOP_K: int  # largest top_k the HTTP API accepts (the sampler honours any)
+PREFILL_CHUNK: int  # prompt tokens a stream prefills per batched step
+WINDOW_SLACK: int  # positions a windowed cache keeps below the window for speculative rollback
+
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
 
@@ -79,7 +90,45 @@ class ModelInfo:
     kv_cache_mode: str
     draft_vocab_size: int  # tokens speculative drafts may propose via the draft head; 0: drafts use the full head
 
+class Speculative:
+    """Self-speculative settings: draft `draft_ahead` tokens at `draft_loops` loops, verify them at `verify_loops`;
+    `k_branches > 1` drafts a tree (greedy only). Frozen; checked when a generation starts."""
+
+    def __init__(self, draft_loops: int, verify_loops: int, draft_ahead: int, k_branches: int = 1) -> None: ...
+    @property
+    def draft_loops(self) -> int: ...
+    @property
+    def verify_loops(self) -> int: ...
+    @property
+    def draft_ahead(self) -> int: ...
+    @property
+    def k_branches(self) -> int: ...
+
 class Generation:
+    """What one generation runs: sampling parameters (defaults when None), loop depth (the model's default_loops
+    when None; must be None or equal verify_loops when speculative), speculative settings and sliding KV window
+    (0: none). Frozen; checked when a generation starts (InvalidRequestError)."""
+
+    def __init__(
+        self,
+        params: SamplingParams | None = None,
+        *,
+        loops: int | None = None,
+        speculative: Speculative | None = None,
+        cache_window: int = 0,
+    ) -> None: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def loops(self) -> int | None: ...
+    @property
+    def speculative(self) -> Speculative | None: ...
+    @property
+    def cache_window(self) -> int: ...
+
+class Completion:
+    """Result of `Engine.generate`."""
+
     tokens: list[int]
     text: str
     finish_reason: str
@@ -103,6 +152,10 @@ class TokenStream(Iterator[StepEvent]):
     def kv_bytes(self) -> int: ...
     @property
     def draft_stats(self) -> tuple[int, int, int]: ...
+    @property
+    def loops(self) -> int:
+        """The loop depth every token is chosen at: `loops` (the model's default_loops when None), or verify_loops
+        when speculative."""
 
 class Sequence:
     def feed(self, ids: list[int], loops: int) -> bytes: ...
@@ -132,24 +185,27 @@ class Engine:
     def generate(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Generation | None = None,
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,
-    ) -> Generation: ...
+    ) -> Completion:
+        """`draft=(draft_loops, draft_ahead)` drafts speculatively and verifies at `loops`. `params` may instead be a
+        `Generation` holding every setting; the other arguments must then stay at their defaults (else TypeError)."""
     def stream(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Generation | None = None,
         loops: int | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,
-    ) -> TokenStream: ...
+    ) -> TokenStream:
+        """A stream of `StepEvent`s; arguments as `generate`."""
     def step_many(self, streams: list[TokenStream]) -> list[StepEvent | TinyloopError | None]:
         """One step of every stream, batched (continuous batching); per stream: its event, None if it had
-        finished, or the exception its step raised. Long prompts go in 256 tokens per step: such a step's event
+        finished, or the exception its step raised. Long prompts go in PREFILL_CHUNK (256) tokens per step: such a step's event
         has token_id -1 and no finish_reason."""
         ...
     def sequence(self, capacity: int | None = None, window: int = 0) -> Sequence: ...

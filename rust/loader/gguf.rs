@@ -154,7 +154,12 @@ impl<R: Read + Seek> Source<R> {
     /// Fail unless `n` more bytes exist (`what` names them), before anything of that size is allocated.
     fn need(&self, n: u64, what: impl FnOnce() -> String) -> Parse<()> {
         if n > self.remaining() {
-            return Err(format!("{}: {n} bytes needed at offset {}, but only {} remain; is the file truncated?", what(), self.pos, self.remaining()));
+            return Err(format!(
+                "{}: {n} bytes needed at offset {}, but only {} remain; is the file truncated?",
+                what(),
+                self.pos,
+                self.remaining()
+            ));
         }
         Ok(())
     }
@@ -311,7 +316,9 @@ fn read_array<R: Read + Seek>(src: &mut Source<R>, key: &str) -> Parse<Value> {
     src.need(least, || format!("key {key}: an array of {n} {ty:?}"))?;
     Ok(match ty {
         // Strings take at least 8 bytes each, so `n` is bounded by the file (checked above).
-        Ty::String => Value::Strings((0..n).map(|i| src.string(u64::MAX, || format!("key {key}[{i}]"))).collect::<Parse<_>>()?),
+        Ty::String => {
+            Value::Strings((0..n).map(|i| src.string(u64::MAX, || format!("key {key}[{i}]"))).collect::<Parse<_>>()?)
+        }
         Ty::Array => return Err(format!("key {key}: arrays of arrays are not supported")),
         Ty::F32 | Ty::F64 | Ty::Bool => {
             src.skip(least, what)?;
@@ -329,7 +336,10 @@ fn read_tensor_info<R: Read + Seek>(src: &mut Source<R>) -> Parse<(String, Tenso
         return Err(format!("tensor {name}: {n_dims} dimensions; GGUF allows at most {MAX_DIMS}"));
     }
     let mut dims = (0..n_dims)
-        .map(|_| src.u64(what).and_then(|d| usize::try_from(d).map_err(|_| format!("tensor {name}: dimension {d} is too large"))))
+        .map(|_| {
+            src.u64(what)
+                .and_then(|d| usize::try_from(d).map_err(|_| format!("tensor {name}: dimension {d} is too large")))
+        })
         .collect::<Parse<Vec<usize>>>()?;
     dims.reverse();
     let t = src.u32(what)?;
@@ -350,10 +360,15 @@ fn alignment(metadata: &HashMap<String, Value>) -> Parse<u64> {
 
 /// One tensor's data, read once its whole extent is known to lie inside the file.
 pub fn read_tensor<R: Read + Seek>(src: &mut Source<R>, info: &TensorInfo, data_offset: u64) -> Parse<QTensor> {
-    let n = info.byte_len().ok_or_else(|| format!("shape {:?} of {:?} overflows or is not whole blocks", info.dims, info.dtype))?;
+    let n = info
+        .byte_len()
+        .ok_or_else(|| format!("shape {:?} of {:?} overflows or is not whole blocks", info.dims, info.dtype))?;
     let start = data_offset.checked_add(info.offset).filter(|&s| s <= src.len);
     let Some(start) = start else {
-        return Err(format!("data offset {} is past the end of the file ({} bytes); is the file truncated?", info.offset, src.len));
+        return Err(format!(
+            "data offset {} is past the end of the file ({} bytes); is the file truncated?",
+            info.offset, src.len
+        ));
     };
     src.seek_to(start)?;
     let raw = src.bytes(n, || format!("data of shape {:?} ({:?})", info.dims, info.dtype))?;
@@ -432,7 +447,10 @@ pub(crate) mod tests {
         assert_eq!(g.metadata["d"], Value::Strings(vec!["x".into(), String::new()]));
         assert_eq!(g.metadata["e"], Value::Skipped(2));
         let t = &g.tensors["t"];
-        assert_eq!((t.dims.as_slice(), t.byte_len(), g.data_offset as usize), (&[2usize, 3][..], Some(24), w.buf.len() - 24));
+        assert_eq!(
+            (t.dims.as_slice(), t.byte_len(), g.data_offset as usize),
+            (&[2usize, 3][..], Some(24), w.buf.len() - 24)
+        );
         let mut src = Source::new(Cursor::new(&w.buf)).unwrap();
         assert_eq!(read_tensor(&mut src, t, g.data_offset).unwrap().shape().dims(), &[2, 3]);
     }
@@ -466,26 +484,37 @@ pub(crate) mod tests {
 
     #[test]
     fn malformed_structure_is_an_error() {
-        let cases: [(&[u8], &str); 3] = [(b"GGUF", "version"), (b"GGML\x03\0\0\0", "magic"), (b"GGUF\x01\0\0\0", "version 1")];
+        let cases: [(&[u8], &str); 3] =
+            [(b"GGUF", "version"), (b"GGML\x03\0\0\0", "magic"), (b"GGUF\x01\0\0\0", "version 1")];
         for (bytes, want) in cases {
             assert!(parse(bytes).unwrap_err().contains(want), "{want}");
         }
         let mut w = Writer::default();
         assert!(parse(&w.header(0, 1).key("x", 13).u32(0).buf).unwrap_err().contains("unknown value type 13"));
         let mut w = Writer::default();
-        assert!(parse(&w.header(0, 1).key("x", 7).buf.iter().chain(&[2]).copied().collect::<Vec<_>>()).unwrap_err().contains("not a bool"));
+        assert!(parse(&w.header(0, 1).key("x", 7).buf.iter().chain(&[2]).copied().collect::<Vec<_>>())
+            .unwrap_err()
+            .contains("not a bool"));
         let mut w = Writer::default();
-        assert!(parse(&w.header(0, 1).key("x", 9).u32(9).u64(1).u32(0).u64(0).buf).unwrap_err().contains("arrays of arrays"));
+        assert!(parse(&w.header(0, 1).key("x", 9).u32(9).u64(1).u32(0).u64(0).buf)
+            .unwrap_err()
+            .contains("arrays of arrays"));
         let mut w = Writer::default();
-        assert!(parse(&w.header(0, 2).key("x", 4).u32(1).key("x", 4).u32(2).buf).unwrap_err().contains("x appears twice"));
+        assert!(parse(&w.header(0, 2).key("x", 4).u32(1).key("x", 4).u32(2).buf)
+            .unwrap_err()
+            .contains("x appears twice"));
         let mut w = Writer::default();
-        assert!(parse(&w.header(0, 1).key("x", 8).u64(2).buf.iter().chain(&[0xff, 0xfe]).copied().collect::<Vec<_>>()).unwrap_err().contains("UTF-8"));
+        assert!(parse(&w.header(0, 1).key("x", 8).u64(2).buf.iter().chain(&[0xff, 0xfe]).copied().collect::<Vec<_>>())
+            .unwrap_err()
+            .contains("UTF-8"));
         let mut w = Writer::default();
         assert!(parse(&w.header(1, 0).tensor_info("t", &[1; 5], 0, 0).buf).unwrap_err().contains("5 dimensions"));
         let mut w = Writer::default();
         assert!(parse(&w.header(1, 0).tensor_info("t", &[1], 4, 0).buf).unwrap_err().contains("unknown tensor type 4"));
         let mut w = Writer::default();
-        assert!(parse(&w.header(2, 0).tensor_info("t", &[1], 0, 0).tensor_info("t", &[1], 0, 0).buf).unwrap_err().contains("twice"));
+        assert!(parse(&w.header(2, 0).tensor_info("t", &[1], 0, 0).tensor_info("t", &[1], 0, 0).buf)
+            .unwrap_err()
+            .contains("twice"));
     }
 
     #[test]
@@ -512,14 +541,21 @@ pub(crate) mod tests {
         assert_eq!(info(vec![4, 31], GgmlDType::Q8_0).byte_len(), None); // rows are not whole blocks
         assert_eq!(info(vec![4, 64], GgmlDType::Q8_0).byte_len(), Some(4 * 2 * 34));
         let mut src = Source::new(Cursor::new(vec![0u8; 64])).unwrap();
-        assert!(read_tensor(&mut src, &info(vec![1 << 32, 1 << 32], GgmlDType::F32), 0).unwrap_err().contains("overflows"));
+        assert!(read_tensor(&mut src, &info(vec![1 << 32, 1 << 32], GgmlDType::F32), 0)
+            .unwrap_err()
+            .contains("overflows"));
     }
 
     #[test]
     fn tensor_data_past_the_end_is_refused_before_allocating() {
         let mut src = Source::new(Cursor::new(vec![0u8; 64])).unwrap();
         let at = |dims: Vec<usize>, offset| TensorInfo { dtype: GgmlDType::F32, dims, offset };
-        for (info, data_offset) in [(at(vec![1 << 30, 1 << 20], 0), 32), (at(vec![9], 0), 32), (at(vec![1], u64::MAX), 32), (at(vec![1], 8), u64::MAX)] {
+        for (info, data_offset) in [
+            (at(vec![1 << 30, 1 << 20], 0), 32),
+            (at(vec![9], 0), 32),
+            (at(vec![1], u64::MAX), 32),
+            (at(vec![1], 8), u64::MAX),
+        ] {
             let e = read_tensor(&mut src, &info, data_offset).unwrap_err();
             assert!(e.contains("truncated"), "{e}");
         }

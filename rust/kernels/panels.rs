@@ -1,9 +1,9 @@
-//! The driver shared by tinyloop's own matmul kernels (F16/F32 in `linear.rs`, Q4_0/Q8_0 in `vnni.rs`).
+//! The driver shared by tinyloop's own matmul kernels (F16/F32 in `dense.rs`, Q4_0/Q8_0 in `vnni.rs`).
 //!
 //! Weights are repacked at load into *panels* of `PANEL` (64) output rows, interleaved along the input dimension so
 //! that one step of a kernel reads the 64 outputs' weights for the same input position(s) as four 16-lane vectors.
 //! Each output then lives in one lane of an accumulator and walks the input in order: no horizontal sums at the
-//! end (the old 4 × 4 dot-product blocks spent as much on those as on the multiply-adds at k = 256), and an
+//! end (4 × 4 dot-product blocks spend as much on those as on the multiply-adds at k = 256), and an
 //! output's arithmetic is the same whichever rows it is multiplied with — batched == solo, bit for bit.
 //!
 //! `panels` spreads the panels over the rayon pool (above `PARALLEL_MIN` multiply-adds) and, inside a panel, runs
@@ -11,12 +11,12 @@
 
 use rayon::prelude::*;
 
+use crate::limits::PARALLEL_MIN;
+
 /// Output rows per panel (four 16-lane vectors).
 pub(crate) const PANEL: usize = 64;
 /// Most input rows one kernel call handles (their accumulators stay in registers).
 pub(crate) const MR: usize = 6;
-/// Below this many multiply-adds a matmul runs on the calling thread (a pool round trip costs more).
-const PARALLEL_MIN: usize = 1 << 18;
 
 /// Results of one kernel call: `out[a][o]` = input row `i0 + a` · weight row `panel · 64 + o`.
 pub(crate) type Block = [[f32; PANEL]; MR];

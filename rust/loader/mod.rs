@@ -12,35 +12,11 @@ use std::path::Path;
 use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::{Error, Result};
+use crate::limits::{MAX_CONTEXT, MAX_DIM, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS, MAX_LOOPS, MAX_TENSORS};
+use crate::model::Config;
 use gguf::{Gguf, Source, Value};
 
 pub const ARCH: &str = "tinyloop";
-pub const MAX_LOOPS: usize = 64;
-/// Bounds of `tinyloop.block_count` and `tinyloop.prelude_count`.
-const MAX_LAYERS: usize = 256;
-/// Tensors of the largest model the bounds allow: embeddings, final norm, head, nine per layer.
-const MAX_TENSORS: u64 = 3 + 9 * 2 * MAX_LAYERS as u64;
-
-/// The model's shape, from the `tinyloop.*` keys.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Config {
-    pub name: String,
-    pub context_length: usize,
-    pub dim: usize,
-    pub ffn_dim: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub rms_eps: f64,
-    pub rope_theta: f32,
-    /// k: layers in the looped block.
-    pub block_count: usize,
-    pub prelude_count: usize,
-    pub default_loops: usize,
-    pub max_trained_loops: usize,
-    pub vocab_size: usize,
-    pub file_type: u32,
-}
 
 /// The tokenizer keys (llama.cpp's names) as stored.
 #[derive(Debug, Clone)]
@@ -60,7 +36,7 @@ pub struct ModelFile {
     /// weights (a quantizer's fallback type for a few tensors, like Q2_K's for rows not a multiple of 256, does not
     /// change the label); "mixed" only when no type holds a majority.
     pub quant: String,
-    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (rust/draft_head.rs), if listed.
+    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (`model::draft_head`), if listed.
     pub draft_ids: Option<Vec<u32>>,
 }
 
@@ -126,7 +102,9 @@ impl Reader<'_> {
 
     fn ints(&self, key: &str) -> Result<Vec<i64>> {
         match self.get(key)? {
-            Value::Ints(a) => a.iter().map(|i| i64::try_from(i).map_err(|_| self.err(key, format!("{i} is out of range")))).collect(),
+            Value::Ints(a) => {
+                a.iter().map(|i| i64::try_from(i).map_err(|_| self.err(key, format!("{i} is out of range")))).collect()
+            }
             v if is_empty_array(v) => Ok(Vec::new()),
             _ => Err(self.err(key, "expected an array of integers")),
         }
@@ -156,9 +134,9 @@ fn read_config(r: &Reader) -> Result<Config> {
         return Err(r.err("general.architecture", format!("is {arch:?}, expected {ARCH:?}")));
     }
     let k = |s: &str| format!("{ARCH}.{s}");
-    let dim = r.usize_in(&k("embedding_length"), 1, 1 << 16)?;
-    let n_heads = r.usize_in(&k("attention.head_count"), 1, 1024)?;
-    let n_kv_heads = r.usize_in(&k("attention.head_count_kv"), 1, 1024)?;
+    let dim = r.usize_in(&k("embedding_length"), 1, MAX_DIM)?;
+    let n_heads = r.usize_in(&k("attention.head_count"), 1, MAX_HEADS)?;
+    let n_kv_heads = r.usize_in(&k("attention.head_count_kv"), 1, MAX_HEADS)?;
     if dim % n_heads != 0 || (dim / n_heads) % 2 != 0 {
         return Err(r.err(k("attention.head_count"), format!("{dim} / {n_heads} heads is not an even head size")));
     }
@@ -176,9 +154,9 @@ fn read_config(r: &Reader) -> Result<Config> {
     let name = r.string("general.name")?.to_string();
     Ok(Config {
         name,
-        context_length: r.usize_in(&k("context_length"), 1, 1 << 20)?,
+        context_length: r.usize_in(&k("context_length"), 1, MAX_CONTEXT)?,
         dim,
-        ffn_dim: r.usize_in(&k("feed_forward_length"), 1, 1 << 18)?,
+        ffn_dim: r.usize_in(&k("feed_forward_length"), 1, MAX_FFN_DIM)?,
         n_heads,
         n_kv_heads,
         head_dim: dim / n_heads,
@@ -217,7 +195,13 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
         }
         Ok(v as u32)
     };
-    Ok(VocabData { bos_token_id: id("tokenizer.ggml.bos_token_id")?, eos_token_id: id("tokenizer.ggml.eos_token_id")?, tokens, token_types, merges })
+    Ok(VocabData {
+        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+        eos_token_id: id("tokenizer.ggml.eos_token_id")?,
+        tokens,
+        token_types,
+        merges,
+    })
 }
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
@@ -352,7 +336,10 @@ fn check_tensor(r: &Reader, name: &str, info: &gguf::TensorInfo, shape: &[usize]
     }
     let (block, row) = (info.dtype.block_size(), shape.last().copied().unwrap_or(1));
     if row % block != 0 {
-        return Err(r.err(format!("tensor {name}"), format!("rows of {row} values are not a multiple of {:?}'s block of {block}", info.dtype)));
+        return Err(r.err(
+            format!("tensor {name}"),
+            format!("rows of {row} values are not a multiple of {:?}'s block of {block}", info.dtype),
+        ));
     }
     Ok(())
 }
@@ -488,7 +475,10 @@ mod tests {
         let bytes = model(1 << 16, 1 << 18, false);
         assert!(bytes.len() < 4096);
         let e = load_err(&bytes);
-        assert!(e.contains("tensor blk.0.attn_k.weight: data of shape [65536, 65536] (F32): 17179869184 bytes needed"), "{e}");
+        assert!(
+            e.contains("tensor blk.0.attn_k.weight: data of shape [65536, 65536] (F32): 17179869184 bytes needed"),
+            "{e}"
+        );
         assert!(e.contains("truncated"), "{e}");
         // Data cut anywhere: the tensor it cuts is named.
         let full = model(2, 1, true);

@@ -14,8 +14,8 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
+use super::linear::Linear;
 use crate::error::{Error, Result};
-use crate::linear::Linear;
 
 pub struct DraftHead {
     /// Vocabulary ids of the rows, ascending.
@@ -46,10 +46,6 @@ impl DraftHead {
 
     pub fn len(&self) -> usize {
         self.ids.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
     }
 
     /// Full-vocabulary logit rows for normed hidden states `h (n, dim)`: the listed tokens' logits, −∞ elsewhere.

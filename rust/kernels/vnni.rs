@@ -5,7 +5,7 @@
 //!
 //! - inputs are quantized per 32-value block exactly as ggml's x86 code does (`d = amax / 127` stored as f16,
 //!   `x / d` rounded to nearest, ties to even), so the arithmetic is the one llama.cpp runs on the same weights;
-//! - weights are repacked at load into panels of 64 rows (rust/panels.rs): for each block, each group of 4 input
+//! - weights are repacked at load into panels of 64 rows (`kernels::panels`): for each block, each group of 4 input
 //!   positions holds the 64 rows' 4 codes side by side — one 64-byte vector per 16 rows — with the rows' f32
 //!   scales next to them;
 //! - `vpdpbusd` multiplies 16 rows' 4 codes by 4 input bytes broadcast to every lane, so each lane collects one
@@ -19,9 +19,9 @@ use std::arch::x86_64::*;
 use candle_core::quantized::QTensor;
 use half::f16;
 
+use super::panels::{panels, Block, PanelKernel, PANEL};
+use super::Kernel;
 use crate::error::{Error, Result};
-use crate::linear::Kernel;
-use crate::panels::{panels, Block, PanelKernel, PANEL};
 
 const QK: usize = 32;
 /// Input rows one pass over a panel's blocks serves (their integer and float accumulators fill the registers).
@@ -110,10 +110,17 @@ impl QMatrix {
     }
 
     /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     /// `unpacked`: Q4_0 only, the panel's codes as one byte each (`unpack`), or empty to expand the nibbles here.
-    unsafe fn panel_dots<const R: usize>(&self, xq: &Q8Rows, p: usize, i0: usize, unpacked: &[u8],
-                                         out: &mut [[f32; PANEL]]) {
+    // 87 lines: the hot kernel keeps its accumulators in registers across the three code layouts' inner loops.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn panel_dots<const R: usize>(
+        &self,
+        xq: &Q8Rows,
+        p: usize,
+        i0: usize,
+        unpacked: &[u8],
+        out: &mut [[f32; PANEL]],
+    ) {
         let (nb, bb) = (self.nb, self.codes.block_bytes());
         assert!(xq.d.len() >= (i0 + R) * nb && self.d.len() >= (p + 1) * nb * PANEL && out.len() >= R);
         let low = _mm512_set1_epi8(0x0F);
@@ -128,7 +135,10 @@ impl QMatrix {
             let mut sums = [[_mm512_setzero_si512(); 4]; R];
             match self.codes {
                 Codes::Bytes => {
-                    for (t, s) in (0..4).map(|t| _mm512_loadu_si512(self.start.as_ptr().add(pb * PANEL + 16 * t) as *const __m512i)).enumerate() {
+                    for (t, s) in (0..4)
+                        .map(|t| _mm512_loadu_si512(self.start.as_ptr().add(pb * PANEL + 16 * t) as *const __m512i))
+                        .enumerate()
+                    {
                         for sa in sums.iter_mut() {
                             sa[t] = s;
                         }
@@ -201,7 +211,7 @@ struct QRun<'a> {
 /// From this many input rows on, a Q4_0 panel's nibbles are expanded to bytes once per matmul instead of at every
 /// pass of up to `ROWS` rows (a 512-row prefill would otherwise expand each code 171 times) — while the expanded
 /// panel fits in L1 (48 KiB: inputs up to 768 wide). Wider panels stream from L2, where reading twice the bytes
-/// cost more than the expansion saved (the seed shape's 2,048-wide panels prefilled 15% slower that way).
+/// cost more than the expansion saved (2,048-wide panels prefill 15% slower that way).
 const UNPACK_MIN_ROWS: usize = 4 * ROWS;
 const UNPACK_MAX_BYTES: usize = 48 << 10;
 
@@ -291,7 +301,11 @@ fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         let d = amax / 127.0;
         let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-        let round = |v| _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, id)));
+        let round = |v| {
+            _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, id),
+            ))
+        };
         _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, round(a));
         _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, round(b));
         d
@@ -333,11 +347,13 @@ mod tests {
     fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
         // m = 14 and 20 run Q4_0 over codes expanded once per matmul (from 12 rows on); the rest expand per pass.
         let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14), (65, 96, 20)];
-        for (&(n, k, m), (dtype, codes)) in shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))]) {
-            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+        for (&(n, k, m), (dtype, codes)) in
+            shapes.iter().flat_map(|s| [(s, (GgmlDType::Q4_0, Codes::Nibbles)), (s, (GgmlDType::Q8_0, Codes::Bytes))])
+        {
+            let w: Vec<f32> = (0..n * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
             let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
             let mat = QMatrix::new(&q, codes).unwrap();
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 400.0 - 1.2)).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
             let mut all = vec![0f32; m * n];
             mat.matmul(&x, m, &mut all);
             // Reference: ggml's Q8_0 input quantization and per-block integer dot products, in f64.
@@ -358,7 +374,10 @@ mod tests {
                         }
                     }
                     let got = all[i * n + j] as f64;
-                    assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "({i}, {j}) of ({n}, {k}): {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "({i}, {j}) of ({n}, {k}): {got} vs {want}"
+                    );
                 }
             }
             for row in [0, n - 1] {

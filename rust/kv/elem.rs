@@ -16,6 +16,9 @@ use half::f16;
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 use half::slice::HalfFloatSliceExt;
 
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+use crate::kernels::simd::hsum;
+
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// Values per stored element (2 for packed int4).
     const PACK: usize = 1;
@@ -28,8 +31,14 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// `out += w · row`.
     fn axpy(row: &[Self], meta: Self::Meta, w: f32, out: &mut [f32]);
     /// `out = Σ_i weights[i] · row(rows[i])` over stored rows of `w` elements, accumulated in `rows` order.
-    fn weighted_sum(values: &[Self], meta: &[Self::Meta], w: usize, rows: impl Iterator<Item = usize> + Clone,
-                    weights: &[f32], out: &mut [f32]) {
+    fn weighted_sum(
+        values: &[Self],
+        meta: &[Self::Meta],
+        w: usize,
+        rows: impl Iterator<Item = usize> + Clone,
+        weights: &[f32],
+        out: &mut [f32],
+    ) {
         axpy_rows(values, meta, w, rows, weights, out);
     }
     /// The stored rows as f16 when that is what they are (for `attn_f16`'s blocked attention); `None` otherwise.
@@ -39,8 +48,14 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
 }
 
 /// `weighted_sum` as `axpy` row after row (the default, and the f16 fallback for widths the wide path skips).
-fn axpy_rows<T: KvElem>(values: &[T], meta: &[T::Meta], w: usize, rows: impl Iterator<Item = usize>,
-                        weights: &[f32], out: &mut [f32]) {
+fn axpy_rows<T: KvElem>(
+    values: &[T],
+    meta: &[T::Meta],
+    w: usize,
+    rows: impl Iterator<Item = usize>,
+    weights: &[f32],
+    out: &mut [f32],
+) {
     out.fill(0.0);
     for (&p, t) in weights.iter().zip(rows) {
         T::axpy(&values[t * w..(t + 1) * w], meta[t], p, out);
@@ -98,8 +113,14 @@ impl KvElem for f16 {
     /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
     /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
     #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    fn weighted_sum(values: &[Self], meta: &[()], w: usize, rows: impl Iterator<Item = usize> + Clone,
-                    weights: &[f32], out: &mut [f32]) {
+    fn weighted_sum(
+        values: &[Self],
+        meta: &[()],
+        w: usize,
+        rows: impl Iterator<Item = usize> + Clone,
+        weights: &[f32],
+        out: &mut [f32],
+    ) {
         use std::arch::x86_64::*;
         const WIDE: usize = 4 * LANES;
         if !w.is_multiple_of(WIDE) || out.len() != w {
@@ -127,7 +148,7 @@ impl KvElem for f16 {
 }
 
 /// `Σ row_i · q_i`: 16 lanes of fused multiply-adds over f16 widened in registers, reduced at the end by
-/// `attn_f16::hsum` (the same fixed order for every row, and the same float as `attn_f16`'s blocked scores, so a
+/// `simd::hsum` (the same fixed order for every row, and the same float as `attn_f16`'s blocked scores, so a
 /// score never depends on which other rows are attended alongside or which path computed it).
 #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 #[inline]
@@ -142,7 +163,7 @@ fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
             let k = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
             acc = _mm512_fmadd_ps(k, _mm512_loadu_ps(q.as_ptr().add(c)), acc);
         }
-        crate::attn_f16::hsum(acc)
+        hsum(acc)
     };
     head + row[full..n].iter().zip(&q[full..n]).map(|(a, b)| a.to_f32() * b).sum::<f32>()
 }
@@ -164,41 +185,6 @@ fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
         }
     }
     out[full..n].iter_mut().zip(&row[full..n]).for_each(|(o, x)| *o += w * x.to_f32());
-}
-
-/// `s = softmax(s)` in place: `exp(s_i − max)`, summed, each divided by the sum. With AVX-512 the exponentials
-/// take 16 lanes at a time (`exp16`, within 2 ulp of libm's `expf`) and the sum 16 lane-sums reduced at the end;
-/// elsewhere libm's `expf` and one running sum. Either way a fixed order that depends only on the scores.
-pub fn softmax_in_place(s: &mut [f32]) {
-    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = exp_minus_and_sum(s, max);
-    s.iter_mut().for_each(|v| *v /= sum);
-}
-
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
-    use std::arch::x86_64::*;
-    // SAFETY: avx512f is enabled at compile time; loads and stores stay inside `s` (the tail through a mask).
-    unsafe {
-        let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
-        for chunk in s.chunks_mut(LANES) {
-            let mask: __mmask16 = if chunk.len() == LANES { !0 } else { (1u16 << chunk.len()) - 1 };
-            let e = crate::simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
-            _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
-            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
-        }
-        _mm512_reduce_add_ps(acc)
-    }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
-    let mut sum = 0.0f32;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    sum
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
@@ -284,7 +270,11 @@ impl KvElem for Nibbles {
     }
     #[inline]
     fn dot(row: &[Self], meta: Int4Meta, q: &[f32], q_sum: f32) -> f32 {
-        let acc: f32 = row.iter().zip(q.chunks_exact(2)).map(|(b, qq)| (b.0 & 15) as f32 * qq[0] + (b.0 >> 4) as f32 * qq[1]).sum();
+        let acc: f32 = row
+            .iter()
+            .zip(q.chunks_exact(2))
+            .map(|(b, qq)| (b.0 & 15) as f32 * qq[0] + (b.0 >> 4) as f32 * qq[1])
+            .sum();
         meta.scale.to_f32() * acc + meta.min.to_f32() * q_sum
     }
     #[inline]
@@ -390,20 +380,6 @@ mod tests {
             let q = row(w, 11);
             let exact: f64 = vals[..w].iter().zip(&q).map(|(a, b)| a.to_f64() * *b as f64).sum();
             assert!((f16::dot(&vals[..w], (), &q, 0.0) as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
-        }
-    }
-
-    #[test]
-    fn softmax_matches_f64() {
-        for n in [1, 5, 16, 37, 300] {
-            let mut s: Vec<f32> = row(n, 5).iter().map(|x| x * 3.0).collect();
-            let max = s.iter().copied().fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
-            let e: Vec<f64> = s.iter().map(|&v| (v as f64 - max).exp()).collect();
-            let total: f64 = e.iter().sum();
-            softmax_in_place(&mut s);
-            for (got, want) in s.iter().zip(&e) {
-                assert!((*got as f64 - want / total).abs() <= 1e-6 * (want / total) + 1e-12, "{got} vs {}", want / total);
-            }
         }
     }
 }

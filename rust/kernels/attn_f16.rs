@@ -9,7 +9,7 @@
 //! key for all rows, with each row's 64-wide piece of the output in four registers.
 //!
 //! A score is the same float whichever way it is computed — by the tree, by `hsum` of one chain (the keys past the
-//! last full block, and `kv_elem::f16_dot`), alone or in a block of rows — and each output lane adds its value rows
+//! last full block, and `kv::elem::f16_dot`), alone or in a block of rows — and each output lane adds its value rows
 //! in index order, as `KvElem::weighted_sum` does. So a row's output never depends on the rows attended alongside it
 //! (batched, chunked, verified or decoded alone: the same bits).
 
@@ -18,26 +18,13 @@ use std::arch::x86_64::*;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kv::AttnShape;
-use crate::kv_elem::softmax_in_place;
+use super::simd::{hsum, softmax_in_place};
+use super::AttnShape;
+use crate::limits::ATTN_PARALLEL_MIN;
 
 const LANES: usize = 16;
 /// Query rows attended together (`ROWS` × 4 accumulators + 4 value registers fit in the 32 vector registers).
 pub const ROWS: usize = 6;
-
-/// The sum of a vector's 16 lanes, pairing lanes (i, i+8), then (i, i+4), (i, i+2), (i, i+1) — the order of each
-/// lane of `reduce_16x16`.
-///
-/// # Safety
-/// The CPU must have AVX-512 F (this module's cfg).
-#[inline(always)]
-pub unsafe fn hsum(a: __m512) -> f32 {
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-    let b = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
-    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps::<1>(b));
-    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
-}
 
 /// Lane j of the result is `hsum(a[j])`, bit for bit, for 16 vectors at once (45 shuffles and adds instead of 16
 /// reductions). Each level adds the same lane pairs as `hsum`; the pairing of keys at level one puts key j in lane j.
@@ -78,10 +65,18 @@ pub struct Scratch {
 ///
 /// # Safety
 /// As `hsum`. Ranges must lie inside `keys` / `values`, `q[r]` and `out[r]` must hold `hd` values.
-pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, rows: &Rows, out: &mut [&mut [f32]],
-                          scratch: &mut Scratch) {
+// 77 lines: the hot kernel's score, softmax and value phases share one scratch block and stay one unit.
+pub unsafe fn attend_rows(
+    keys: &[f16],
+    values: &[f16],
+    hd: usize,
+    scale: f32,
+    rows: &Rows,
+    out: &mut [&mut [f32]],
+    scratch: &mut Scratch,
+) {
     let n = rows.n;
-    debug_assert!(hd % 64 == 0 && n <= ROWS && out.len() >= n);
+    debug_assert!(hd.is_multiple_of(64) && n <= ROWS && out.len() >= n);
     let lo = rows.ranges[..n].iter().map(|r| r.0).min().unwrap_or(0);
     let hi = rows.ranges[..n].iter().map(|r| r.1).max().unwrap_or(0);
     let span = hi - lo;
@@ -129,7 +124,8 @@ pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, r
         let mut acc = [[_mm512_setzero_ps(); 4]; ROWS];
         for t in lo..hi {
             let row = vp.add(t * hd + c);
-            let v: [__m512; 4] = std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(j * LANES) as *const __m256i)));
+            let v: [__m512; 4] =
+                std::array::from_fn(|j| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(j * LANES) as *const __m256i)));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let (a, b) = rows.ranges[r];
                 if r < n && t >= a && t < b {
@@ -148,12 +144,29 @@ pub unsafe fn attend_rows(keys: &[f16], values: &[f16], hd: usize, scale: f32, r
     }
 }
 
-/// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V (`[kv_head][cap][hd]`), row
-/// i seeing the cache indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the rayon pool.
-pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize, q: &[f32], out: &mut [f32], work: usize,
-                     range: impl Fn(usize) -> (usize, usize) + Sync) {
-    let AttnShape { n_heads, n_kv_heads, head_dim: hd } = shape;
-    assert!(hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(), "f16 attention shapes");
+/// One slot of an f16 KV cache: keys and values `[kv_head][cap][head_dim]`.
+pub struct F16Heads<'a> {
+    pub keys: &'a [f16],
+    pub values: &'a [f16],
+    pub shape: AttnShape,
+    pub cap: usize,
+}
+
+/// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V, row i seeing the cache
+/// indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the
+/// rayon pool.
+pub fn attend_blocks(
+    heads: F16Heads,
+    q: &[f32],
+    out: &mut [f32],
+    work: usize,
+    range: impl Fn(usize) -> (usize, usize) + Sync,
+) {
+    let F16Heads { keys, values, shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap } = heads;
+    assert!(
+        hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(),
+        "f16 attention shapes"
+    );
     let (n, group) = (out.len() / (n_heads * hd), n_heads / n_kv_heads);
     let scale = 1.0 / (hd as f32).sqrt();
     let dst = OutRows(out.as_mut_ptr(), out.len());
@@ -161,10 +174,14 @@ pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize,
         let (r0, h) = ((idx / n_heads) * ROWS, idx % n_heads);
         let (nr, g) = ((n - r0).min(ROWS), h / group);
         let row = |r: usize| r0 + r.min(nr - 1);
-        let rows = Rows { q: std::array::from_fn(|r| &q[(row(r) * n_heads + h) * hd..][..hd]),
-                          ranges: std::array::from_fn(|r| range(row(r))), n: nr };
+        let rows = Rows {
+            q: std::array::from_fn(|r| &q[(row(r) * n_heads + h) * hd..][..hd]),
+            ranges: std::array::from_fn(|r| range(row(r))),
+            n: nr,
+        };
         // SAFETY: task (block, h) writes only rows r0..r0+nr of head h, pieces no other task touches.
-        let mut outs: Vec<&mut [f32]> = (0..nr).map(|r| unsafe { dst.piece(((r0 + r) * n_heads + h) * hd, hd) }).collect();
+        let mut outs: Vec<&mut [f32]> =
+            (0..nr).map(|r| unsafe { dst.piece(((r0 + r) * n_heads + h) * hd, hd) }).collect();
         let (k, v) = (&keys[g * cap * hd..(g + 1) * cap * hd], &values[g * cap * hd..(g + 1) * cap * hd]);
         // SAFETY: avx512f is enabled (this module's cfg); hd is a multiple of 64 (asserted above); attend_rows checks
         // the ranges against `k` / `v`; q / out pieces are hd wide.
@@ -173,7 +190,7 @@ pub fn attend_blocks(keys: &[f16], values: &[f16], shape: AttnShape, cap: usize,
     let tasks = n.div_ceil(ROWS) * n_heads;
     // attend_rows makes no rayon calls, so a thread never re-enters its scratch.
     let run = |i| SCRATCH.with_borrow_mut(|s| task(s, i));
-    if work < 1 << 16 {
+    if work < ATTN_PARALLEL_MIN {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
@@ -220,7 +237,9 @@ mod tests {
     use super::*;
 
     fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0) - 1.0).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0) - 1.0)
+            .collect()
     }
 
     #[test]
@@ -244,7 +263,9 @@ mod tests {
 
     /// softmax(q·Kᵀ/√d)·V in f64 over the widened f16 keys and values.
     fn reference(k: &[f16], v: &[f16], q: &[f32], hd: usize, (a, b): (usize, usize)) -> Vec<f64> {
-        let s: Vec<f64> = (a..b).map(|t| (0..hd).map(|d| q[d] as f64 * k[t * hd + d].to_f64()).sum::<f64>() / (hd as f64).sqrt()).collect();
+        let s: Vec<f64> = (a..b)
+            .map(|t| (0..hd).map(|d| q[d] as f64 * k[t * hd + d].to_f64()).sum::<f64>() / (hd as f64).sqrt())
+            .collect();
         let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
         (0..hd).map(|d| (a..b).zip(&s).map(|(t, x)| (x - m).exp() / z * v[t * hd + d].to_f64()).sum()).collect()
@@ -274,13 +295,19 @@ mod tests {
                 // The same row alone (and in a block of two, first or second) gives the same bits.
                 for (mates, at) in [(vec![r], 0), (vec![r, (r + 1) % ROWS], 0), (vec![(r + 2) % ROWS, r], 1)] {
                     let mut alone = vec![vec![0f32; hd]; mates.len()];
-                    let sub = Rows { q: std::array::from_fn(|i| qs[mates.get(i).copied().unwrap_or(0)]),
-                                     ranges: std::array::from_fn(|i| ranges[mates.get(i).copied().unwrap_or(0)]), n: mates.len() };
+                    let sub = Rows {
+                        q: std::array::from_fn(|i| qs[mates.get(i).copied().unwrap_or(0)]),
+                        ranges: std::array::from_fn(|i| ranges[mates.get(i).copied().unwrap_or(0)]),
+                        n: mates.len(),
+                    };
                     unsafe {
                         let mut outs: Vec<&mut [f32]> = alone.iter_mut().map(|o| o.as_mut_slice()).collect();
                         attend_rows(&k, &v, hd, scale, &sub, &mut outs, &mut scratch);
                     }
-                    assert!(alone[at].iter().zip(&together[r]).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} row {r} with {mates:?}");
+                    assert!(
+                        alone[at].iter().zip(&together[r]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "hd {hd} row {r} with {mates:?}"
+                    );
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
 //! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
 //!
-//! Modes (`KvKind`, element formats in `kv_elem.rs`): f32 for models whose weights are F32 and f16 for every other
+//! Modes (`KvKind`, element formats in `elem.rs`): f32 for models whose weights are F32 and f16 for every other
 //! model (together the API's "fp16"), "int8", "int4", and "int4-h" (int4 after a Hadamard rotation of each head).
 //! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products;
 //! per-row metadata (scales) is `[kv_head][position]`.
@@ -13,14 +13,12 @@
 //! the position stored at index 0). RoPE positions stay absolute, since K is stored already rotated.
 
 use half::f16;
-use rayon::prelude::*;
 
+use super::attend::{attend, Ctx, RowLayout, SlotView};
+use super::elem::{hadamard, KvElem, Nibbles};
 use crate::error::{Error, Result};
-use crate::kv_elem::{hadamard, softmax_in_place, KvElem, Nibbles};
-
-/// Positions a windowed slot keeps below the oldest one still visible, so that rolling back a speculative round
-/// (at most 64 rows) never needs a dropped key.
-pub const WINDOW_SLACK: usize = 65;
+use crate::kernels::AttnShape;
+use crate::limits::WINDOW_SLACK;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
@@ -68,8 +66,14 @@ struct Slot<T: KvElem> {
 impl<T: KvElem> Slot<T> {
     fn new(heads: usize, cap: usize, hd: usize) -> Self {
         let n = heads * cap * hd / T::PACK;
-        Self { k: vec![T::default(); n], v: vec![T::default(); n], k_meta: vec![T::Meta::default(); heads * cap],
-               v_meta: vec![T::Meta::default(); heads * cap], base: 0, len: 0 }
+        Self {
+            k: vec![T::default(); n],
+            v: vec![T::default(); n],
+            k_meta: vec![T::Meta::default(); heads * cap],
+            v_meta: vec![T::Meta::default(); heads * cap],
+            base: 0,
+            len: 0,
+        }
     }
 }
 
@@ -89,14 +93,6 @@ macro_rules! each_slot {
             SlotBuf::I4($s) => $body,
         }
     };
-}
-
-/// Shape of attention for one call: `n_heads` query heads share `n_kv_heads` K/V heads (GQA).
-#[derive(Debug, Clone, Copy)]
-pub struct AttnShape {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
 }
 
 pub struct KvCache {
@@ -157,7 +153,15 @@ impl KvCache {
 
     /// Write K/V rows for positions `pos..pos+n` into `slot`, then attend the `n` query rows causally over the slot.
     /// `k`, `v`: `(n, n_kv_heads*head_dim)`; `q`, `out`: `(n, n_heads*head_dim)`, row i at position `pos + i`.
-    pub fn write_and_attend(&mut self, slot: usize, pos: usize, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn write_and_attend(
+        &mut self,
+        slot: usize,
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let n = k.len() / (self.shape.n_kv_heads * self.shape.head_dim).max(1);
         let store: Vec<usize> = (pos..pos + n).collect();
         let visible: Vec<usize> = (pos + 1..=pos + n).collect();
@@ -168,16 +172,31 @@ impl KvCache {
     /// The general form: row i is stored at index `layout.store[i]` and attends to indices `0..layout.prefix[i]`
     /// (from `layout.pos[i] - W + 1` with a window) plus `layout.extra[i]` (tree verification: a node sees its
     /// ancestors and itself, not its siblings).
-    pub fn write_rows_and_attend(&mut self, slot: usize, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn write_rows_and_attend(
+        &mut self,
+        slot: usize,
+        layout: &RowLayout,
+        k: &[f32],
+        v: &[f32],
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let AttnShape { n_heads, n_kv_heads, head_dim } = self.shape;
         let kvw = n_kv_heads * head_dim;
         let n = layout.store.len();
-        if n == 0 || k.len() != n * kvw || v.len() != k.len() || q.len() != n * n_heads * head_dim || out.len() != q.len()
-            || layout.prefix.len() != n || layout.pos.len() != n || !(layout.extra.is_empty() || layout.extra.len() == n)
+        if n == 0
+            || k.len() != n * kvw
+            || v.len() != k.len()
+            || q.len() != n * n_heads * head_dim
+            || out.len() != q.len()
+            || layout.prefix.len() != n
+            || layout.pos.len() != n
+            || !(layout.extra.is_empty() || layout.extra.len() == n)
         {
             return Err(Error::Internal(format!("attention: bad row shapes for slot {slot}")));
         }
-        let (lo, hi) = (layout.store.iter().min().copied().unwrap_or(0), layout.store.iter().max().copied().unwrap_or(0));
+        let (lo, hi) =
+            (layout.store.iter().min().copied().unwrap_or(0), layout.store.iter().max().copied().unwrap_or(0));
         if self.window == 0 && hi >= self.capacity {
             return Err(Error::ContextLength { needed: hi + 1, limit: self.capacity });
         }
@@ -185,7 +204,8 @@ impl KvCache {
         if lo > have {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
-        let ctx = Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H };
+        let ctx =
+            Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H };
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
         let (heads, cap) = (n_kv_heads, self.capacity);
         let buf = entry.get_or_insert_with(|| match self.kind {
@@ -194,7 +214,11 @@ impl KvCache {
             KvKind::Int8 => SlotBuf::I8(Slot::new(heads, cap, head_dim)),
             KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new(heads, cap, head_dim)),
         });
-        each_slot!(buf, s => s.write_and_attend(ctx, layout, k, v, q, out))
+        each_slot!(buf, s => {
+            s.write(ctx, layout, k, v)?;
+            attend(s.view(), ctx, layout, q, out);
+            Ok(())
+        })
     }
 
     /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
@@ -204,23 +228,6 @@ impl KvCache {
             each_slot!(slot, s => s.move_position(heads, cap, hd, from, to));
         }
     }
-}
-
-/// Where each new row is stored and what it may attend to (see `KvCache::write_rows_and_attend`).
-pub struct RowLayout<'a> {
-    pub store: &'a [usize],
-    pub prefix: &'a [usize],
-    pub extra: &'a [Vec<usize>],
-    /// Each row's RoPE position (where its window starts from).
-    pub pos: &'a [usize],
-}
-
-#[derive(Clone, Copy)]
-struct Ctx {
-    shape: AttnShape,
-    cap: usize,
-    window: usize,
-    rotate: bool,
 }
 
 impl<T: KvElem> Slot<T> {
@@ -239,17 +246,18 @@ impl<T: KvElem> Slot<T> {
         self.base = keep;
     }
 
-    fn write_and_attend(&mut self, ctx: Ctx, layout: &RowLayout, k: &[f32], v: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
-        let Ctx { shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap, window, rotate } = ctx;
+    /// Store the rows' K/V at their indices, first dropping positions no row can see any more when the
+    /// window's capacity would be exceeded.
+    fn write(&mut self, ctx: Ctx, layout: &RowLayout, k: &[f32], v: &[f32]) -> Result<()> {
+        let Ctx { shape: AttnShape { n_kv_heads, head_dim: hd, .. }, cap, window, rotate } = ctx;
         let w = hd / T::PACK;
-        let visible_from = |i: usize| if window > 0 { (layout.pos[i] + 1).saturating_sub(window) } else { 0 };
         let lo_store = layout.store.iter().min().copied().unwrap_or(0);
         let hi = layout.store.iter().max().copied().unwrap_or(0);
         if lo_store < self.base {
             return Err(Error::Internal(format!("position {lo_store} was already dropped by the KV window")));
         }
         if hi - self.base >= cap {
-            let oldest = (0..layout.store.len()).map(visible_from).min().unwrap_or(0);
+            let oldest = (0..layout.store.len()).map(|i| layout.visible_from(i, window)).min().unwrap_or(0);
             let keep = oldest.saturating_sub(WINDOW_SLACK).max(self.base).min(lo_store).min(self.len);
             if hi - keep >= cap {
                 return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
@@ -272,42 +280,12 @@ impl<T: KvElem> Slot<T> {
             }
         }
         self.len = hi + 1;
-        let group = n_heads / n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (ks, vs, kms, vms, base) = (&self.k, &self.v, &self.k_meta, &self.v_meta, self.base);
-        let work: usize = layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-        if let (true, Some(keys), Some(values)) = (layout.extra.is_empty() && hd.is_multiple_of(64), T::as_f16(ks), T::as_f16(vs)) {
-            crate::attn_f16::attend_blocks(keys, values, ctx.shape, cap, q, out, work,
-                                           |i| (visible_from(i).max(base) - base, layout.prefix[i] - base));
-            return Ok(());
-        }
-        const NONE: &[usize] = &[];
-        // One task per (row, head); each writes its own head_dim-wide piece of `out`.
-        let task = |(idx, o): (usize, &mut [f32])| {
-            let (i, h) = (idx / n_heads, idx % n_heads);
-            let g = h / group;
-            let head = HeadView { keys: &ks[g * cap * w..(g + 1) * cap * w], values: &vs[g * cap * w..(g + 1) * cap * w],
-                                  k_meta: &kms[g * cap..(g + 1) * cap], v_meta: &vms[g * cap..(g + 1) * cap] };
-            let from = visible_from(i).max(base);
-            let extra = layout.extra.get(i).map_or(NONE, Vec::as_slice);
-            let visible = (from..layout.prefix[i]).chain(extra.iter().copied()).map(|t| t - base);
-            let q_row = &q[idx * hd..(idx + 1) * hd];
-            if rotate {
-                let mut qr = q_row.to_vec();
-                hadamard(&mut qr);
-                attend_one(&qr, &head, visible, hd, scale, o);
-                hadamard(o);
-            } else {
-                attend_one(q_row, &head, visible, hd, scale, o);
-            }
-        };
-        if work < 1 << 16 {
-            out.chunks_mut(hd).enumerate().for_each(task);
-        } else {
-            out.par_chunks_mut(hd).enumerate().for_each(task);
-        }
         Ok(())
+    }
+
+    /// What attention reads of this slot.
+    fn view(&self) -> SlotView<'_, T> {
+        SlotView { keys: &self.k, values: &self.v, k_meta: &self.k_meta, v_meta: &self.v_meta, base: self.base }
     }
 
     fn move_position(&mut self, heads: usize, cap: usize, hd: usize, from: usize, to: usize) {
@@ -323,23 +301,6 @@ impl<T: KvElem> Slot<T> {
             self.v_meta[g * cap + to] = self.v_meta[g * cap + from];
         }
     }
-}
-
-/// One KV head's stored keys and values, `[index][head_dim / PACK]`, and their per-index metadata.
-struct HeadView<'a, T: KvElem> {
-    keys: &'a [T],
-    values: &'a [T],
-    k_meta: &'a [T::Meta],
-    v_meta: &'a [T::Meta],
-}
-
-/// softmax(q·Kᵀ·scale)·V for one query row over the stored indices `visible`, accumulated in f32.
-fn attend_one<T: KvElem>(q: &[f32], head: &HeadView<T>, visible: impl Iterator<Item = usize> + Clone, hd: usize, scale: f32, out: &mut [f32]) {
-    let w = hd / T::PACK;
-    let q_sum: f32 = q.iter().sum();
-    let mut scores: Vec<f32> = visible.clone().map(|t| T::dot(&head.keys[t * w..(t + 1) * w], head.k_meta[t], q, q_sum) * scale).collect();
-    softmax_in_place(&mut scores);
-    T::weighted_sum(head.values, head.v_meta, w, visible, &scores, out);
 }
 
 #[cfg(test)]
@@ -365,7 +326,11 @@ mod tests {
             for h in 0..n_heads {
                 let g = h / (n_heads / n_kv_heads);
                 let qv = &q[(i * n_heads + h) * hd..][..hd];
-                let s: Vec<f32> = (from..=i).map(|t| (0..hd).map(|d| qv[d] * k[(t * n_kv_heads + g) * hd + d]).sum::<f32>() / (hd as f32).sqrt()).collect();
+                let s: Vec<f32> = (from..=i)
+                    .map(|t| {
+                        (0..hd).map(|d| qv[d] * k[(t * n_kv_heads + g) * hd + d]).sum::<f32>() / (hd as f32).sqrt()
+                    })
+                    .collect();
                 let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
                 for (j, t) in (from..=i).enumerate() {
@@ -399,7 +364,16 @@ mod tests {
             // Every 7th step: write 3 speculative rows, then roll 2 of them back.
             let m = if i % 7 == 0 && i + 3 <= n { 3 } else { 1 };
             let mut o = vec![0.0; m * qw];
-            cache.write_and_attend(0, i, &k[i * kw..(i + m) * kw], &v[i * kw..(i + m) * kw], &q[i * qw..(i + m) * qw], &mut o).unwrap();
+            cache
+                .write_and_attend(
+                    0,
+                    i,
+                    &k[i * kw..(i + m) * kw],
+                    &v[i * kw..(i + m) * kw],
+                    &q[i * qw..(i + m) * qw],
+                    &mut o,
+                )
+                .unwrap();
             assert!(max_diff(&o, &want[i * qw..(i + m) * qw]) < 1e-5, "rows {i}..{}", i + m);
             let keep = if m == 3 { 1 } else { m };
             cache.truncate(i + keep);
@@ -429,7 +403,8 @@ mod tests {
 
     #[test]
     fn quantized_modes_order_by_precision_and_hadamard_helps_int4() {
-        let (i8e, i4, i4h) = (quantized_error(KvKind::Int8), quantized_error(KvKind::Int4), quantized_error(KvKind::Int4H));
+        let (i8e, i4, i4h) =
+            (quantized_error(KvKind::Int8), quantized_error(KvKind::Int4), quantized_error(KvKind::Int4H));
         assert!(i8e < 0.05, "int8 {i8e}");
         assert!(i4h < i4, "int4-h {i4h} should beat int4 {i4} on outlier keys");
         assert!(i8e < i4h, "int8 {i8e} vs int4-h {i4h}");
@@ -484,7 +459,16 @@ mod tests {
                     // Each row sees the earlier prefix plus the new rows up to itself as "extra" indices.
                     let extra: Vec<Vec<usize>> = rows.iter().map(|&i| (at..=i).collect()).collect();
                     let prefix = vec![at; m];
-                    cache.write_rows_and_attend(0, &RowLayout { store: &rows, prefix: &prefix, extra: &extra, pos: &rows }, kk, vv, qq, o).unwrap();
+                    cache
+                        .write_rows_and_attend(
+                            0,
+                            &RowLayout { store: &rows, prefix: &prefix, extra: &extra, pos: &rows },
+                            kk,
+                            vv,
+                            qq,
+                            o,
+                        )
+                        .unwrap();
                 } else {
                     cache.write_and_attend(0, at, kk, vv, qq, o).unwrap();
                 }
@@ -506,7 +490,10 @@ mod tests {
         let mut cache = KvCache::new(KvKind::F16, shape, 2, 2);
         let (k, q) = (vec![0.5; 4], vec![0.5; 8]);
         let mut out = vec![0.0; 8];
-        assert!(matches!(cache.write_and_attend(0, 2, &k, &k, &q, &mut out), Err(Error::ContextLength { needed: 3, limit: 2 })));
+        assert!(matches!(
+            cache.write_and_attend(0, 2, &k, &k, &q, &mut out),
+            Err(Error::ContextLength { needed: 3, limit: 2 })
+        ));
         assert!(matches!(cache.write_and_attend(1, 1, &k, &k, &q, &mut out), Err(Error::Internal(_))));
         cache.write_and_attend(0, 0, &k, &k, &q, &mut out).unwrap();
         assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-3)); // one position: output is its value

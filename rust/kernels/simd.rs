@@ -1,5 +1,10 @@
-//! Vector math shared by the attention softmax (`kv_elem`) and the SwiGLU gate (`model`): `eˣ` 16 lanes at a time.
-//! Without AVX-512 the callers use libm's `expf`.
+//! Vector math shared by attention (`kv`, `attn_f16`) and the SwiGLU gate (`model`): `eˣ` 16 lanes at a time, the
+//! softmax built on it, and the fixed-order horizontal sum every f16 attention score ends with. Without AVX-512 the
+//! callers use libm's `expf`.
+
+/// Lanes of the vectors below.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+const LANES: usize = 16;
 
 /// `eˣ` in 16 lanes: x = n·ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 split in two so n·ln 2 is exact), a degree-6
 /// polynomial for eʳ (Cephes' `expf` coefficients) and 2ⁿ applied by `vscalefps`, which also gives the subnormals,
@@ -13,8 +18,10 @@
 pub(crate) unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0)), _mm512_set1_ps(104.0));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm512_set1_ps(1.987_569_1e-4);
@@ -45,9 +52,64 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     gate.iter_mut().zip(up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
 }
 
+/// The sum of a vector's 16 lanes, pairing lanes (i, i+8), then (i, i+4), (i, i+2), (i, i+1) — the order of each
+/// lane of `attn_f16::reduce_16x16`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F (the callers' cfg).
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[inline(always)]
+pub unsafe fn hsum(a: std::arch::x86_64::__m512) -> f32 {
+    use std::arch::x86_64::*;
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+    let b = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
+    let c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps::<1>(b));
+    let d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+}
+
+/// `s = softmax(s)` in place: `exp(s_i − max)`, summed, each divided by the sum. With AVX-512 the exponentials
+/// take 16 lanes at a time (`exp16`, within 2 ulp of libm's `expf`) and the sum 16 lane-sums reduced at the end;
+/// elsewhere libm's `expf` and one running sum. Either way a fixed order that depends only on the scores.
+pub fn softmax_in_place(s: &mut [f32]) {
+    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum = exp_minus_and_sum(s, max);
+    s.iter_mut().for_each(|v| *v /= sum);
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: avx512f is enabled at compile time; loads and stores stay inside `s` (the tail through a mask).
+    unsafe {
+        let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
+        for chunk in s.chunks_mut(LANES) {
+            let mask: __mmask16 = if chunk.len() == LANES { !0 } else { (1u16 << chunk.len()) - 1 };
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
+            _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
+            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0.0f32;
+    for v in s.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    sum
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 997) as f32 / 100.0 - 5.0).collect()
+    }
 
     #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
     #[test]
@@ -81,6 +143,24 @@ mod tests {
         for ((&g, &u), &v) in gate.iter().zip(&up).zip(&got) {
             let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
             assert!((v as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()), "silu({g}) * {u} = {v}, want {want}");
+        }
+    }
+
+    #[test]
+    fn softmax_matches_f64() {
+        for n in [1, 5, 16, 37, 300] {
+            let mut s: Vec<f32> = pseudo(n, 5).iter().map(|x| x * 3.0).collect();
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
+            let e: Vec<f64> = s.iter().map(|&v| (v as f64 - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            softmax_in_place(&mut s);
+            for (got, want) in s.iter().zip(&e) {
+                assert!(
+                    (*got as f64 - want / total).abs() <= 1e-6 * (want / total) + 1e-12,
+                    "{got} vs {}",
+                    want / total
+                );
+            }
         }
     }
 }

@@ -1,0 +1,160 @@
+//! Continuous batching: one step of many sequences at once. Every plain decode step, every unwindowed prompt
+//! prefill and every chain-speculative round among them share their forward passes per (engine, verify depth) —
+//! the linear layers see all their rows together, attention runs per sequence over its own cache — so n streams
+//! pay for reading the weights once per pass, not n times. A speculative round's drafts (one row per pass, loops
+//! `0..draft_loops`) go through together with the other rounds' drafts, and the first of those passes also carries
+//! the plain rows up to the lowest draft depth; the verification rows (loops `draft_loops..verify_loops`) then go
+//! through with the rest of the plain rows: verification is just more rows. Tree rounds and windowed prefills
+//! (which go in chunks) run on their own. A sequence's result does not depend on its batch-mates: rows never mix
+//! outside the matmuls.
+//!
+//! Long prompts are prefilled `PREFILL_CHUNK` tokens per step, so the streams already running keep getting a token
+//! every step while a newcomer's prompt goes in; such a step returns no token and no finish.
+
+use candle_core::Tensor;
+
+use super::chain::ChainRound;
+use super::plan::Speculative;
+use super::seq::SeqState;
+use crate::error::{Error, Result};
+use crate::model::{Model, RowBlock, SeqChunk};
+
+/// What a sequence does in a batched step.
+pub(super) enum Work {
+    /// Feed these tokens (the pending one, or a prompt chunk) through every loop and sample from the last row.
+    Plain(Vec<u32>),
+    /// One chain-speculative draft + verify round.
+    Chain(Speculative),
+}
+
+pub(super) struct Member<'g> {
+    pub seq: &'g mut SeqState,
+    pub work: Work,
+}
+
+/// The passes of one step for sequences of one model at verify depth `loops`; each member's steps are queued in
+/// its `ready`. Nothing is emitted unless every pass succeeded.
+pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> Result<()> {
+    let mut rounds: Vec<Option<ChainRound>> = members
+        .iter()
+        .map(|m| match m.work {
+            Work::Chain(spec) => ChainRound::start(m.seq, spec).map(Some),
+            Work::Plain(_) => Ok(None),
+        })
+        .collect::<Result<_>>()?;
+    // Plain rows ride along with the first draft pass up to the lowest draft depth, then join the verification.
+    let pause = rounds.iter().flatten().map(|r| r.spec.draft_loops).min().unwrap_or(loops);
+    let plain_x = draft_passes(model, members, &mut rounds, pause)?;
+    let finals = verify_pass(model, loops, members, &rounds, plain_x, pause)?;
+    let logits = model.logits(&Tensor::cat(&finals, 0)?)?.to_vec2::<f32>()?;
+    hand_out(members, rounds, logits)
+}
+
+/// The draft passes: pass j runs draft row j of every round still drafting (loops `0..draft_loops`) and, in the
+/// first pass, the plain rows up to `pause`; each round proposes from its row's draft logits. Returns the plain
+/// rows' hidden states at `pause`.
+fn draft_passes(
+    model: &Model,
+    members: &mut [Member],
+    rounds: &mut [Option<ChainRound>],
+    pause: usize,
+) -> Result<Vec<Option<Tensor>>> {
+    let drafts = rounds.iter().flatten().map(|r| r.k).max().unwrap_or(0);
+    let mut plain_x: Vec<Option<Tensor>> = vec![None; members.len()];
+    for j in 0..drafts.max(1) {
+        let mut blocks = Vec::new();
+        let mut owners = Vec::new();
+        for (i, (m, round)) in members.iter_mut().zip(rounds.iter()).enumerate() {
+            let seq = &mut *m.seq;
+            let (tokens, pos, depth) = match (&m.work, round) {
+                (Work::Plain(feed), _) if j == 0 => (feed.as_slice(), seq.pos, pause),
+                (Work::Chain(_), Some(r)) if j < r.k => (&r.inputs[j..j + 1], seq.pos + j, r.spec.draft_loops),
+                _ => continue,
+            };
+            let x = model.embed(tokens)?;
+            blocks.push(RowBlock {
+                seq: SeqChunk { cache: &mut seq.cache, pos, tokens, tree: None },
+                x,
+                loops: 0..depth,
+            });
+            owners.push(i);
+        }
+        model.run_blocks(&mut blocks)?;
+        let outs: Vec<Tensor> = blocks.into_iter().map(|b| b.x).collect();
+        let mut draft_rows = Vec::new();
+        for (&i, x) in owners.iter().zip(outs) {
+            match rounds[i] {
+                Some(_) => draft_rows.push((i, x)),
+                None => plain_x[i] = Some(x),
+            }
+        }
+        if draft_rows.is_empty() {
+            continue;
+        }
+        let h: Vec<&Tensor> = draft_rows.iter().map(|(_, x)| x).collect();
+        let logits = model.draft_logits(&Tensor::cat(&h, 0)?)?;
+        for ((i, x), row) in draft_rows.into_iter().zip(logits) {
+            if let Some(round) = rounds[i].as_mut() {
+                round.propose(members[i].seq, x, row);
+            }
+        }
+    }
+    Ok(plain_x)
+}
+
+/// Verification rows and the plain rows' remaining loops (`depth..loops`), in one set of passes; the rows whose
+/// logits are wanted: each plain sequence's last, every verification row.
+fn verify_pass(
+    model: &Model,
+    loops: usize,
+    members: &mut [Member],
+    rounds: &[Option<ChainRound>],
+    mut plain_x: Vec<Option<Tensor>>,
+    pause: usize,
+) -> Result<Vec<Tensor>> {
+    let mut blocks = Vec::new();
+    let hidden: Vec<Option<Tensor>> = rounds
+        .iter()
+        .map(|r| r.as_ref().map(|r| Tensor::cat(&r.hidden, 0)).transpose())
+        .collect::<candle_core::Result<_>>()?;
+    for (i, ((m, round), h)) in members.iter_mut().zip(rounds).zip(hidden).enumerate() {
+        let seq = &mut *m.seq;
+        let (tokens, x, depth) = match (&m.work, round, h) {
+            (Work::Plain(feed), _, _) => (feed.as_slice(), plain_x[i].take(), pause),
+            (Work::Chain(_), Some(r), h) => (&r.inputs[..r.k], h, r.spec.draft_loops),
+            _ => return Err(Error::Internal("a chain member without its round".into())),
+        };
+        let x = x.ok_or_else(|| Error::Internal("a batched row lost its hidden state".into()))?;
+        let seq_chunk = SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None };
+        blocks.push(RowBlock { seq: seq_chunk, x, loops: depth..loops });
+    }
+    model.run_blocks(&mut blocks)?;
+    Ok(blocks
+        .into_iter()
+        .zip(rounds)
+        .map(|(b, round)| match round {
+            Some(_) => Ok(b.x),
+            None => b.x.narrow(0, b.seq.tokens.len() - 1, 1),
+        })
+        .collect::<candle_core::Result<_>>()?)
+}
+
+/// Hand each member its logit rows, in order: a round's `k` verification rows, a plain member's one row.
+fn hand_out(members: &mut [Member], rounds: Vec<Option<ChainRound>>, logits: Vec<Vec<f32>>) -> Result<()> {
+    let mut logits = logits.into_iter();
+    for (m, round) in members.iter_mut().zip(rounds) {
+        match (&m.work, round) {
+            (Work::Chain(_), Some(round)) => {
+                let rows: Vec<Vec<f32>> = logits.by_ref().take(round.k).collect();
+                round.finish(m.seq, rows);
+            }
+            (Work::Plain(feed), _) => {
+                let mut row = logits.next().ok_or_else(|| Error::Internal("a batched row has no logits".into()))?;
+                let step = m.seq.finish_step(feed.len(), &mut row);
+                m.seq.ready.push_back(step);
+            }
+            _ => return Err(Error::Internal("a chain member without its round".into())),
+        }
+    }
+    Ok(())
+}

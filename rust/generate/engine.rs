@@ -1,0 +1,114 @@
+//! `Engine`: a loaded model with its tokenizer and the limits requests run under; scoring and raw feeding.
+
+use std::path::Path;
+
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::kv::{KvCache, KvKind};
+use crate::limits::MAX_LOOPS;
+use crate::loader::{self, ModelFile};
+use crate::model::{Config, LogitRows, Model, SeqChunk};
+use crate::tokenizer::Tokenizer;
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// "fp16" | "int8" | "int4" | "int2" | "mixed", from the file's tensor types.
+    pub quant: String,
+    /// Longest sequence (prompt + output) a request may use.
+    pub max_seq_len: usize,
+    /// "fp16", "int8", "int4" or "int4-h" (the API's names).
+    pub kv_cache_mode: String,
+}
+
+/// KV-cache modes by the API's names; `default` is the "fp16" kind for the model (f32 for all-F32 weights).
+pub fn kv_kind_for_mode(mode: &str, default: KvKind, head_dim: usize) -> Result<KvKind> {
+    match mode {
+        "fp16" => Ok(default),
+        "int8" => Ok(KvKind::Int8),
+        "int4" => Ok(KvKind::Int4),
+        "int4-h" if head_dim.is_power_of_two() => Ok(KvKind::Int4H),
+        "int4-h" => Err(Error::InvalidArgument(format!(
+            "KV cache mode \"int4-h\" needs a power-of-two head_dim for its Hadamard rotation; \
+             this model's is {head_dim}"
+        ))),
+        other => Err(Error::InvalidArgument(format!(
+            "unknown KV cache mode {other:?}; one of \"fp16\", \"int8\", \"int4\", \"int4-h\""
+        ))),
+    }
+}
+
+impl Engine {
+    pub fn load(path: &Path, max_seq_len: Option<usize>) -> Result<Self> {
+        Self::load_with_kv(path, max_seq_len, "fp16")
+    }
+
+    pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
+        let ModelFile { config, vocab, tensors, quant, draft_ids } = loader::load(path)?;
+        let tokenizer = Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
+            path: path.to_path_buf(),
+            what: "tokenizer.ggml.tokens/merges".into(),
+            reason: e.to_string(),
+        })?;
+        let max_seq_len = max_seq_len.unwrap_or(config.context_length);
+        ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
+        let mut model = Model::new(config, tensors, draft_ids)?;
+        let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
+        model.set_kv_kind(kind);
+        Ok(Self { model, tokenizer, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.model.cfg
+    }
+
+    /// Score `ids` in one pass, reading the head after each loop depth in `depths` (ascending, 1-based): for every
+    /// depth, the log-probability of `ids[i+1]` given `ids[..=i]` and the argmax prediction, for i < len-1.
+    pub fn score(&self, ids: &[u32], depths: &[usize]) -> Result<Vec<(Vec<f32>, Vec<u32>)>> {
+        ensure_arg!(ids.len() >= 2, "scoring needs at least two tokens");
+        ensure_arg!(ids.len() <= self.max_seq_len, "{} tokens exceed max_seq_len {}", ids.len(), self.max_seq_len);
+        ensure_arg!(
+            !depths.is_empty() && depths.windows(2).all(|w| w[0] < w[1]),
+            "depths must be ascending and non-empty"
+        );
+        ensure_arg!(depths[0] >= 1 && depths[depths.len() - 1] <= MAX_LOOPS, "depths must be in 1..={MAX_LOOPS}");
+        self.check_tokens(ids, "token id")?;
+        let mut cache = self.model.new_cache(ids.len());
+        let inputs = &ids[..ids.len() - 1];
+        let targets = candle_core::Tensor::new(&ids[1..], &candle_core::Device::Cpu)?.unsqueeze(1)?;
+        let mut h = self.model.embed(inputs)?;
+        let mut done = 0;
+        let mut out = Vec::with_capacity(depths.len());
+        for &d in depths {
+            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None }];
+            h = self.model.run(h, &mut seqs, done == 0, done..d)?;
+            done = d;
+            let logits = self.model.logits(&h)?;
+            let logp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1)?;
+            let picked = logp.gather(&targets, 1)?.squeeze(1)?.to_vec1::<f32>()?;
+            let argmax = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+            out.push((picked, argmax));
+        }
+        Ok(out)
+    }
+
+    /// Every id in `ids` is a token of the vocabulary (`what` names the ids in the error).
+    pub fn check_tokens(&self, ids: &[u32], what: &str) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(Error::InvalidArgument(format!("{what} {bad} is outside the {vocab}-token vocabulary"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Feed `ids` at positions `pos..` of `cache` through `loops` loops; the logits of every new row, row after row
+    /// (the raw sequence API: `tinyloop.Sequence.feed`).
+    pub fn feed(&self, cache: &mut KvCache, pos: usize, ids: &[u32], loops: usize) -> Result<Vec<f32>> {
+        ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
+        ensure_arg!(!ids.is_empty(), "feed needs at least one token");
+        self.check_tokens(ids, "token id")?;
+        let mut seqs = [SeqChunk { cache, pos, tokens: ids, tree: None }];
+        let t = self.model.forward(&mut seqs, loops, LogitRows::All)?;
+        Ok(t.flatten_all()?.to_vec1::<f32>()?)
+    }
+}

@@ -1,0 +1,221 @@
+//! `Generator`, one request's state machine: prefill the prompt, then one token per step at a fixed loop depth, or
+//! a speculative round (`chain.rs`, `tree.rs`) whenever no verified token is waiting. `step` advances one
+//! generator; `step_batch` advances many together through the batch scheduler (`batch.rs`).
+
+use std::sync::Arc;
+
+use super::batch::{self, Member, Work};
+use super::engine::Engine;
+use super::plan::{Generation, Speculative};
+use super::seq::{DraftStats, FinishReason, SeqState, Step};
+use super::tree;
+use crate::ensure_arg;
+use crate::error::{Error, Result};
+use crate::limits::{MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_PREFILL_CHUNK, WINDOW_SLACK};
+use crate::model::{LogitRows, SeqChunk};
+use crate::sampler::Sampler;
+
+/// Positions a sequence with window `w` keeps at a time: the window, the rollback slack, and the most rows one
+/// pass may add (a prefill chunk, or a speculative tree's staged rows).
+fn window_capacity(w: usize) -> usize {
+    w + WINDOW_SLACK + WINDOW_PREFILL_CHUNK + MAX_TREE_ROWS + 1
+}
+
+/// One request's generation state. Holds the engine through an `Arc` so it can outlive the caller's borrow
+/// (the Python stream object owns one).
+pub struct Generator {
+    engine: Arc<Engine>,
+    /// Depth of every emitted token (verify_loops when drafting).
+    loops: usize,
+    /// Self-speculative decoding, when on.
+    spec: Option<Speculative>,
+    seq: SeqState,
+}
+
+/// What a generator does in a batched step.
+enum Next {
+    /// Already known: a verified speculative token waiting, or the end.
+    Done(Step),
+    /// Joins the batch of its (engine, depth) with this work.
+    Batch((usize, usize), Work),
+    /// Runs its own step (tree round, windowed prefill).
+    Solo,
+}
+
+impl Generator {
+    /// Validate `generation` (every argument check of a request happens here) and set up its cache and sampler.
+    pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, generation: Generation) -> Result<Self> {
+        generation.validate()?;
+        let loops = generation.depth(engine.config().default_loops);
+        ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
+        engine.check_tokens(&prompt, "prompt token id")?;
+        let Generation { params, speculative, cache_window, .. } = generation;
+        let needed = prompt.len() + params.max_tokens;
+        if needed > engine.max_seq_len {
+            return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
+        }
+        let sampler = Sampler::new(params, &prompt, engine.config().vocab_size, engine.tokenizer.eos_token_id);
+        // `needed` leaves one spare position (the last output token is never fed back); tree verification may
+        // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.
+        let full = needed + MAX_TREE_ROWS;
+        let cache = match cache_window {
+            0 => engine.model.new_cache(full),
+            w => engine.model.new_cache(full.min(window_capacity(w))).with_window(w),
+        };
+        Ok(Self { engine, loops, spec: speculative, seq: SeqState::new(cache, sampler, prompt) })
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.seq.prompt.len()
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.seq.cache.bytes_in_use()
+    }
+
+    /// The loop depth every token is chosen at: the requested `loops` (the model's default when unset), or
+    /// `verify_loops` when speculative.
+    pub fn loops(&self) -> usize {
+        self.loops
+    }
+
+    /// The tokens emitted so far.
+    pub fn output(&self) -> &[u32] {
+        &self.seq.output
+    }
+
+    /// Draft counters so far (zeros unless speculative).
+    pub fn draft(&self) -> DraftStats {
+        self.seq.draft
+    }
+
+    pub fn finish(&self) -> Option<FinishReason> {
+        self.seq.finish
+    }
+
+    /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
+    pub fn step(&mut self) -> Result<Step> {
+        if let Some(step) = self.seq.ready.pop_front() {
+            return Ok(step);
+        }
+        if let Some(f) = self.seq.finish {
+            return Ok(Step { token: None, finish: Some(f) });
+        }
+        if let (Some(spec), Some(_)) = (self.spec, self.seq.pending) {
+            self.speculative_round(spec)?;
+            return self
+                .seq
+                .ready
+                .pop_front()
+                .ok_or_else(|| Error::Internal("a speculative round emitted nothing".into()));
+        }
+        let seq = &mut self.seq;
+        let feed: Vec<u32> = match seq.pending {
+            Some(t) => vec![t],
+            None => seq.prompt[seq.pos..].to_vec(), // all of it, or what batched steps have not fed yet
+        };
+        // A windowed cache holds a bounded number of positions, so its prompt goes in chunks.
+        let chunk = if seq.cache.window() > 0 { WINDOW_PREFILL_CHUNK } else { feed.len() };
+        let (mut at, mut logits) = (seq.pos, None);
+        for part in feed.chunks(chunk) {
+            let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: at, tokens: part, tree: None }];
+            logits = Some(self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?);
+            at += part.len();
+        }
+        let logits = logits.ok_or_else(|| Error::Internal("nothing to feed".into()))?;
+        let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        Ok(seq.finish_step(feed.len(), &mut logits))
+    }
+
+    /// Run to the end; returns the finish reason.
+    pub fn run(&mut self) -> Result<FinishReason> {
+        loop {
+            if let Some(f) = self.step()?.finish {
+                return Ok(f);
+            }
+        }
+    }
+
+    /// One draft + verify round; queues the verified steps. Chain rounds run through the batch scheduler, here as a
+    /// batch of one.
+    fn speculative_round(&mut self, spec: Speculative) -> Result<()> {
+        let model = &self.engine.model;
+        if spec.k_branches > 1 {
+            return tree::round(model, &mut self.seq, spec);
+        }
+        batch::run_group(model, self.loops, &mut [Member { seq: &mut self.seq, work: Work::Chain(spec) }])
+    }
+
+    /// This generator's part in a batched step.
+    fn next(&mut self) -> Next {
+        let seq = &mut self.seq;
+        if let Some(step) = seq.ready.pop_front() {
+            return Next::Done(step);
+        }
+        if let Some(f) = seq.finish {
+            return Next::Done(Step { token: None, finish: Some(f) });
+        }
+        let key = (Arc::as_ptr(&self.engine) as usize, self.loops);
+        match (seq.pending, self.spec) {
+            (Some(_), Some(spec)) if spec.k_branches > 1 => Next::Solo,
+            (Some(_), Some(spec)) => Next::Batch(key, Work::Chain(spec)),
+            (Some(t), None) => Next::Batch(key, Work::Plain(vec![t])),
+            (None, _) if seq.cache.window() > 0 => Next::Solo,
+            (None, _) => {
+                let chunk = seq.prompt[seq.pos..(seq.pos + PREFILL_CHUNK).min(seq.prompt.len())].to_vec();
+                Next::Batch(key, Work::Plain(chunk))
+            }
+        }
+    }
+}
+
+/// Advance every generator by one step — for each, what `Generator::step` alone would produce. A failure is
+/// reported for the generator it concerns; the others go on.
+pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
+    let mut plans: Vec<Next> = gens.iter_mut().map(|g| g.next()).collect();
+    let mut out: Vec<Option<Result<Step>>> = (0..gens.len()).map(|_| None).collect();
+    let mut keys: Vec<(usize, usize)> =
+        plans.iter().filter_map(|p| if let Next::Batch(k, _) = p { Some(*k) } else { None }).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    for key in keys {
+        let mut engine = None;
+        let (idx, mut members): (Vec<usize>, Vec<Member>) = gens
+            .iter_mut()
+            .zip(plans.iter_mut())
+            .enumerate()
+            .filter_map(|(i, (g, p))| match p {
+                Next::Batch(k, _) if *k == key => match std::mem::replace(p, Next::Solo) {
+                    Next::Batch(_, work) => {
+                        engine.get_or_insert_with(|| g.engine.clone());
+                        Some((i, Member { seq: &mut g.seq, work }))
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .unzip();
+        let Some(engine) = engine else { continue };
+        let ran = batch::run_group(&engine.model, key.1, &mut members);
+        drop(members);
+        for i in idx {
+            out[i] = Some(match ran {
+                // Nothing was emitted: each one runs alone, so an error lands on the request that caused it.
+                Err(_) => gens[i].step(),
+                Ok(()) => gens[i]
+                    .seq
+                    .ready
+                    .pop_front()
+                    .ok_or_else(|| Error::Internal("a batched step produced nothing".into())),
+            });
+        }
+    }
+    for (i, (g, plan)) in gens.iter_mut().zip(plans).enumerate() {
+        match plan {
+            Next::Done(step) => out[i] = Some(Ok(step)),
+            Next::Solo if out[i].is_none() => out[i] = Some(g.step()),
+            _ => {}
+        }
+    }
+    out.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Internal("a generator was not stepped".into())))).collect()
+}

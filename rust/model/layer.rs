@@ -1,0 +1,152 @@
+//! One transformer layer (pre-norm attention and SwiGLU feed-forward) over the rows of a batch of sequences.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use super::config::Config;
+use super::linear::Linear;
+use super::norm::rms_norm;
+use super::rope::Rope;
+use super::rows::SeqChunk;
+use crate::error::{Error, Result};
+use crate::kernels::simd::silu_mul;
+use crate::kv::RowLayout;
+use crate::limits::ATTN_PARALLEL_MIN;
+
+pub(super) struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub(super) fn take(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<QTensor> {
+    tensors.remove(name).ok_or_else(|| Error::Internal(format!("tensor {name} vanished after validation")))
+}
+
+fn matmul(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Linear> {
+    Linear::new(Arc::new(take(tensors, name)?))
+}
+
+pub(super) fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Tensor> {
+    Ok(take(tensors, name)?.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+}
+
+impl Layer {
+    pub(super) fn load(t: &mut HashMap<String, QTensor>, p: &str) -> Result<Self> {
+        Ok(Self {
+            attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?.to_vec1()?,
+            wq: matmul(t, &format!("{p}.attn_q.weight"))?,
+            wk: matmul(t, &format!("{p}.attn_k.weight"))?,
+            wv: matmul(t, &format!("{p}.attn_v.weight"))?,
+            wo: matmul(t, &format!("{p}.attn_output.weight"))?,
+            ffn_norm: norm(t, &format!("{p}.ffn_norm.weight"))?.to_vec1()?,
+            gate: matmul(t, &format!("{p}.ffn_gate.weight"))?,
+            up: matmul(t, &format!("{p}.ffn_up.weight"))?,
+            down: matmul(t, &format!("{p}.ffn_down.weight"))?,
+        })
+    }
+
+    /// This layer over the rows of every sequence. Norms, residuals and the SwiGLU gate run here on plain rows (a
+    /// pool round trip per element-wise op would cost more than the op at decode sizes); matmuls in `Linear`.
+    pub(super) fn forward(
+        &self,
+        cfg: &Config,
+        rope: &Rope,
+        x: &Tensor,
+        seqs: &mut [SeqChunk],
+        slot: usize,
+    ) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let mut xs = x.flatten_all()?.to_vec1::<f32>()?; // (n, dim), the residual stream
+        let h = rms_norm(&xs, &self.attn_norm, cfg.rms_eps);
+        let att = self.attention(cfg, rope, &h, n, seqs, slot)?;
+        add_assign(&mut xs, &self.wo.forward_rows(&att, n)?);
+        let h = rms_norm(&xs, &self.ffn_norm, cfg.rms_eps);
+        let mut m = self.gate.forward_rows(&h, n)?;
+        let up = self.up.forward_rows(&h, n)?;
+        silu_mul(&mut m, &up);
+        add_assign(&mut xs, &self.down.forward_rows(&m, n)?);
+        Ok(Tensor::from_vec(xs, (n, cfg.dim), &Device::Cpu)?)
+    }
+
+    /// Q, K, V of the `n` normed rows `h`, rotated for their positions; K/V written to each sequence's cache slot
+    /// `slot`; the attention output, `(n, n_heads·head_dim)`.
+    fn attention(
+        &self,
+        cfg: &Config,
+        rope: &Rope,
+        h: &[f32],
+        n: usize,
+        seqs: &mut [SeqChunk],
+        slot: usize,
+    ) -> Result<Vec<f32>> {
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let mut q = self.wq.forward_rows(h, n)?; // (n, nh*hd)
+        let mut k = self.wk.forward_rows(h, n)?; // (n, nkv*hd)
+        let v = self.wv.forward_rows(h, n)?; // (n, nkv*hd)
+        let mut att = vec![0f32; q.len()];
+        let mut row = 0;
+        for s in seqs.iter() {
+            let n = s.tokens.len();
+            let causal: Vec<usize>;
+            let positions = match s.tree {
+                Some(t) => t.rope.as_slice(),
+                None => {
+                    causal = (s.pos..s.pos + n).collect();
+                    causal.as_slice()
+                }
+            };
+            rope.apply(&mut q[row * nh * hd..(row + n) * nh * hd], nh, positions);
+            rope.apply(&mut k[row * nkv * hd..(row + n) * nkv * hd], nkv, positions);
+            row += n;
+        }
+        // Each sequence attends over its own cache; several sequences (a batched decode step) spread over the pool
+        // when there is enough work (a pool round trip per layer costs more than short contexts' attention).
+        let mut jobs: Vec<AttnJob> = Vec::with_capacity(seqs.len());
+        let (mut row, mut rest) = (0, att.as_mut_slice());
+        for s in seqs.iter_mut() {
+            let n = s.tokens.len();
+            let (o, tail) = rest.split_at_mut(n * nh * hd);
+            rest = tail;
+            let kr = row * nkv * hd..(row + n) * nkv * hd;
+            jobs.push((s, &q[row * nh * hd..(row + n) * nh * hd], &k[kr.clone()], &v[kr], o));
+            row += n;
+        }
+        let attend = |(s, qq, kk, vv, o): AttnJob| match s.tree {
+            Some(t) => {
+                let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
+                s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
+            }
+            None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
+        };
+        let work: usize = seqs_work(&jobs, nh * hd);
+        if jobs.len() > 1 && work >= ATTN_PARALLEL_MIN {
+            jobs.into_par_iter().try_for_each(attend)?;
+        } else {
+            jobs.into_iter().try_for_each(attend)?;
+        }
+        Ok(att)
+    }
+}
+
+/// One sequence's share of a layer's attention: its chunk, its Q, K and V rows, and its piece of the output.
+type AttnJob<'s, 'a> = (&'s mut SeqChunk<'a>, &'s [f32], &'s [f32], &'s [f32], &'s mut [f32]);
+
+/// Query-key products of a layer's attention: rows × positions they see × query width, summed over sequences.
+fn seqs_work(jobs: &[AttnJob], width: usize) -> usize {
+    jobs.iter().map(|(s, ..)| s.tokens.len() * (s.pos + s.tokens.len()) * width).sum()
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}

@@ -1,0 +1,165 @@
+//! Linear layers. Quantized weights go through candle's `QMatMul` (its AVX-512 VNNI kernels where it has them);
+//! F16 and F32 weights, and Q4_0 / Q8_0 where the CPU has AVX-512 VNNI, through tinyloop's own kernels
+//! (`kernels::dense`, `kernels::vnni`), whose outputs do not depend on how many rows are multiplied together.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::error::Result;
+use crate::kernels::dense::{DenseMatrix, F16Matrix};
+#[cfg(vnni)]
+use crate::kernels::vnni::{Codes, QMatrix};
+use crate::kernels::Kernel;
+
+#[derive(Clone)]
+pub enum Linear {
+    Quantized(QMatMul),
+    /// F16 and F32 here; Q4_0 and Q8_0 through the VNNI kernel (`kernels::vnni`), where the CPU has it.
+    Own(Arc<dyn Kernel>),
+}
+
+impl Linear {
+    pub fn new(t: Arc<QTensor>) -> Result<Self> {
+        Ok(match t.dtype() {
+            GgmlDType::F16 => Self::Own(Arc::new(F16Matrix::new(&t)?)),
+            // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
+            // with (from 5 rows on), which would let batch-mates change a request's output.
+            GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
+            #[cfg(vnni)]
+            GgmlDType::Q4_0 => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
+            // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
+            // the shapes it does not (the default model's 704-wide ffn_down).
+            #[cfg(vnni)]
+            GgmlDType::Q8_0 if !candle_repacks_q8_0(&t)? => Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?)),
+            _ => Self::Quantized(QMatMul::from_arc(t)?),
+        })
+    }
+
+    /// `x · Wᵀ`: `(m, k)` to `(m, n)` f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Quantized(q) => Ok(q.forward(x)?),
+            Self::Own(w) => {
+                let (m, _) = x.dims2()?;
+                let out = self.forward_rows(&x.flatten_all()?.to_vec1::<f32>()?, m)?;
+                Ok(Tensor::from_vec(out, (m, w.rows()), &Device::Cpu)?)
+            }
+        }
+    }
+
+    /// `x · Wᵀ` on plain rows: `m` rows of `k` values to `m` rows of `n`.
+    pub fn forward_rows(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        match self {
+            Self::Quantized(q) => {
+                let t = Tensor::from_slice(x, (m, x.len() / m.max(1)), &Device::Cpu)?;
+                Ok(q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+            Self::Own(w) => {
+                let mut out = vec![0f32; m * w.rows()];
+                w.matmul(x, m, &mut out);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Rows `ids` of the weight as f32, `(ids.len(), k)` (an embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Self::Quantized(q) => {
+                let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
+                Ok(q.embedding(&ids)?.to_dtype(candle_core::DType::F32)?)
+            }
+            Self::Own(w) => {
+                let k = w.width();
+                let mut out = vec![0f32; ids.len() * k];
+                for (dst, &id) in out.chunks_exact_mut(k).zip(ids) {
+                    w.row(id as usize, dst);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
+            }
+        }
+    }
+}
+
+/// Whether candle 0.11 runs this Q8_0 matrix through its repacked AVX-512 VNNI tiles: output count a multiple of 16
+/// and input width a multiple of 256 (its `repack_x86::select`).
+#[cfg(vnni)]
+fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
+    let (n, k) = t.shape().dims2()?;
+    Ok(n % 16 == 0 && k % 256 == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    fn weight(n: usize, k: usize) -> (Vec<f32>, QTensor) {
+        let w: Vec<f32> = (0..n * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+        let w16: Vec<f32> = w.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let t = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap();
+        (w16, QTensor::quantize(&t, GgmlDType::F16).unwrap())
+    }
+
+    #[test]
+    fn f16_matmul_matches_f64_and_is_independent_of_the_row_count() {
+        // m = 14: row blocks of 6, 6 and 2; m = 1 one row per pass.
+        for &(n, k, m) in &[(33, 40, 3), (50, 256, 5), (1030, 704, 9), (130, 96, 14)] {
+            let (w, q) = weight(n, k);
+            let lin = Linear::new(Arc::new(q)).unwrap();
+            let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
+            let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+            let all = lin.forward(&xt).unwrap().to_vec2::<f32>().unwrap();
+            for i in 0..m {
+                let one = lin.forward(&xt.narrow(0, i, 1).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(one[0], all[i], "row {i} differs when multiplied alone (n {n}, k {k})");
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                    assert!(
+                        (all[i][j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "({i}, {j}): {} vs {want}",
+                        all[i][j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_rows_are_the_widened_weight_rows() {
+        let (w, q) = weight(20, 48);
+        let lin = Linear::new(Arc::new(q)).unwrap();
+        let got = lin.rows(&[3, 0, 19]).unwrap().to_vec2::<f32>().unwrap();
+        for (r, &id) in got.iter().zip(&[3usize, 0, 19]) {
+            assert_eq!(r.as_slice(), &w[id * 48..(id + 1) * 48]);
+        }
+    }
+
+    #[test]
+    fn f32_weights_run_the_own_kernel_and_rows_do_not_depend_on_their_batch() {
+        for (n, k) in [(64, 64), (96, 64), (70, 100)] {
+            let w: Vec<f32> = (0..n * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+            let t =
+                QTensor::quantize(&Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+            let lin = Linear::new(Arc::new(t)).unwrap();
+            assert!(matches!(lin, Linear::Own(_)));
+            for m in [2, 5, 8, 9] {
+                let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
+                let all = lin.forward_rows(&x, m).unwrap();
+                for i in 0..m {
+                    assert_eq!(
+                        lin.forward_rows(&x[i * k..(i + 1) * k], 1).unwrap(),
+                        all[i * n..(i + 1) * n],
+                        "({n}, {k}) m = {m}"
+                    );
+                    for j in 0..n {
+                        let exact: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                        assert!((all[i * n + j] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
+                    }
+                }
+            }
+        }
+    }
+}

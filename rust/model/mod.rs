@@ -1,0 +1,248 @@
+//! The looped transformer (docs/architecture.md): embeddings, optional unshared prelude layers, a block of k layers
+//! applied `loops` times, a shared final norm and head (tied to the embeddings unless `output.weight` exists).
+//!
+//! Every forward call takes a batch of sequence chunks: the linear layers see all rows at once, attention runs per
+//! sequence over its own cache. The loop range is explicit so a caller can run loops `d..L` on hidden states that a
+//! depth-`d` pass produced (the prefix property the speculative modes rely on).
+
+mod config;
+mod draft_head;
+mod layer;
+mod linear;
+mod norm;
+mod rope;
+mod rows;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+pub use config::Config;
+use draft_head::DraftHead;
+use layer::{norm, take, Layer};
+pub use linear::Linear;
+use rope::Rope;
+pub use rows::{LogitRows, RowBlock, SeqChunk, TreeRows};
+
+use crate::error::Result;
+use crate::kernels::AttnShape;
+use crate::kv::{KvCache, KvKind};
+use crate::limits::MAX_LOOPS;
+
+pub struct Model {
+    pub cfg: Config,
+    embd: Linear,
+    head: Linear,
+    /// The head over the file's draft vocabulary, for speculative drafts (used while `use_draft_head`).
+    draft_head: Option<DraftHead>,
+    use_draft_head: bool,
+    output_norm: Tensor,
+    prelude: Vec<Layer>,
+    block: Vec<Layer>,
+    rope: Rope,
+    kv_kind: KvKind,
+}
+
+/// candle's AVX-512 VNNI kernels for Q8_0 (repacked tiles, for one row and for many) need the output count to be a
+/// multiple of 16; the 50,257-row head is not, and would fall back to the generic per-block dot product (several
+/// times slower, and most of a decode step). Zero rows pad it; `Model::logits` drops their outputs.
+fn pad_rows_for_kernels(t: Arc<QTensor>) -> Result<Arc<QTensor>> {
+    const TILE: usize = 16;
+    let (rows, cols) = t.shape().dims2()?;
+    if t.dtype() != GgmlDType::Q8_0 || rows % TILE == 0 {
+        return Ok(t);
+    }
+    let padded_rows = rows.div_ceil(TILE) * TILE;
+    let mut raw = t.data()?.into_owned();
+    let row_bytes = raw.len() / rows;
+    raw.resize(padded_rows * row_bytes, 0); // all-zero Q8_0 blocks: scale 0, so the padded logits are 0
+    Ok(Arc::new(qtensor_from_ggml(GgmlDType::Q8_0, &raw, vec![padded_rows, cols], &Device::Cpu)?))
+}
+
+impl Model {
+    /// The model of shape `cfg` over the loader's checked `tensors`; `draft_ids` lists the draft vocabulary, if any.
+    pub fn new(cfg: Config, mut tensors: HashMap<String, QTensor>, draft_ids: Option<Vec<u32>>) -> Result<Self> {
+        let all_f32 = tensors.values().all(|t| t.dtype() == GgmlDType::F32);
+        let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
+        let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
+        let head_t = pad_rows_for_kernels(head_t)?;
+        let draft_head = draft_ids.map(|ids| DraftHead::new(&head_t, &ids, cfg.vocab_size)).transpose()?;
+        let tied = Arc::ptr_eq(&embd_t, &head_t); // tied, and no padding needed: one copy serves both
+        let embd = Linear::new(embd_t)?;
+        let head = if tied { embd.clone() } else { Linear::new(head_t)? };
+        let output_norm = norm(&mut tensors, "output_norm.weight")?;
+        let prelude =
+            (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
+        let block =
+            (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
+        let rope = Rope::new(&cfg);
+        let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
+        let use_draft_head = draft_head.is_some();
+        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, rope, kv_kind })
+    }
+
+    pub fn kv_kind(&self) -> KvKind {
+        self.kv_kind
+    }
+
+    /// Store K/V as `kind` in caches made from now on (the "fp16" default is f32 for F32 models, else f16).
+    pub fn set_kv_kind(&mut self, kind: KvKind) {
+        self.kv_kind = kind;
+    }
+
+    /// A fresh cache for one sequence of up to `capacity` positions (memory is touched only as it fills).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let shape =
+            AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
+        KvCache::new(self.kv_kind, shape, capacity, self.cfg.prelude_count + MAX_LOOPS * self.cfg.block_count)
+    }
+
+    /// Cache slot of block layer `layer` in loop `lp` (0-based); prelude layers take the first slots.
+    fn slot(&self, lp: usize, layer: usize) -> usize {
+        self.cfg.prelude_count + lp * self.cfg.block_count + layer
+    }
+
+    /// Token embeddings, `(n, dim)`; every id below `vocab_size` (checked where ids enter: `Generator::new`,
+    /// `Engine::score`, `Engine::feed`).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        debug_assert!(tokens.iter().all(|&t| (t as usize) < self.cfg.vocab_size), "token ids are checked on entry");
+        self.embd.rows(tokens)
+    }
+
+    /// Run the prelude (when `with_prelude`) and then block loops `loops` over `x` (rows of all `seqs`, in order).
+    pub fn run(&self, mut x: Tensor, seqs: &mut [SeqChunk], with_prelude: bool, loops: Range<usize>) -> Result<Tensor> {
+        debug_assert!(loops.end <= MAX_LOOPS, "loops are checked on entry");
+        if with_prelude {
+            x = self.prelude_pass(x, seqs)?;
+        }
+        for lp in loops {
+            x = self.loop_pass(x, seqs, lp)?;
+        }
+        Ok(x)
+    }
+
+    fn prelude_pass(&self, x: Tensor, seqs: &mut [SeqChunk]) -> Result<Tensor> {
+        self.prelude.iter().enumerate().try_fold(x, |x, (i, layer)| layer.forward(&self.cfg, &self.rope, &x, seqs, i))
+    }
+
+    /// The shared block once, as loop `lp` (0-based).
+    fn loop_pass(&self, x: Tensor, seqs: &mut [SeqChunk], lp: usize) -> Result<Tensor> {
+        self.block
+            .iter()
+            .enumerate()
+            .try_fold(x, |x, (j, layer)| layer.forward(&self.cfg, &self.rope, &x, seqs, self.slot(lp, j)))
+    }
+
+    /// Advance several sequences' rows, each through its own loop range, in shared passes: every loop runs once,
+    /// over the rows of all blocks whose range holds it (the prelude first, for blocks starting at loop 0). This is
+    /// how a speculative draft or verification shares its weight reads with plain rows of other sequences.
+    pub fn run_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
+        let (Some(first), Some(last)) =
+            (blocks.iter().map(|b| b.loops.start).min(), blocks.iter().map(|b| b.loops.end).max())
+        else {
+            return Ok(());
+        };
+        debug_assert!(last <= MAX_LOOPS, "loops are checked on entry");
+        if !self.prelude.is_empty() {
+            self.advance(blocks, |b| b.loops.start == 0, |x, seqs| self.prelude_pass(x, seqs))?;
+        }
+        for lp in first..last {
+            self.advance(blocks, |b| b.loops.contains(&lp), |x, seqs| self.loop_pass(x, seqs, lp))?;
+        }
+        Ok(())
+    }
+
+    /// Apply `f` to the stacked rows of the blocks `take` selects, and split the result back into them.
+    fn advance(
+        &self,
+        blocks: &mut [RowBlock],
+        take: impl Fn(&RowBlock) -> bool,
+        f: impl FnOnce(Tensor, &mut [SeqChunk]) -> Result<Tensor>,
+    ) -> Result<()> {
+        let chosen: Vec<&mut RowBlock> = blocks.iter_mut().filter(|b| take(b)).collect();
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        let xs: Vec<&Tensor> = chosen.iter().map(|b| &b.x).collect();
+        let x = if xs.len() == 1 { xs[0].clone() } else { Tensor::cat(&xs, 0)? };
+        let mut rows = Vec::with_capacity(chosen.len());
+        let mut seqs: Vec<SeqChunk> = chosen
+            .into_iter()
+            .map(|RowBlock { seq, x, .. }| {
+                rows.push((seq.tokens.len(), x));
+                SeqChunk { cache: &mut *seq.cache, pos: seq.pos, tokens: seq.tokens, tree: seq.tree }
+            })
+            .collect();
+        let y = f(x, &mut seqs)?;
+        drop(seqs);
+        let mut off = 0;
+        for (n, x) in rows {
+            *x = y.narrow(0, off, n)?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// Tokens drafts may propose through the draft head (0 when drafts use the full head).
+    pub fn draft_vocab_len_in_use(&self) -> usize {
+        match &self.draft_head {
+            Some(d) if self.use_draft_head => d.len(),
+            _ => 0,
+        }
+    }
+
+    /// Draft with the file's draft vocabulary (the default when it lists one) or with the full head.
+    pub fn set_use_draft_head(&mut self, on: bool) {
+        self.use_draft_head = on && self.draft_head.is_some();
+    }
+
+    /// Logit rows for speculative drafts: the draft head's (−∞ outside its vocabulary) when in use, else the full
+    /// head's. Never used to choose an output token.
+    pub fn draft_logits(&self, h: &Tensor) -> Result<Vec<Vec<f32>>> {
+        match &self.draft_head {
+            Some(d) if self.use_draft_head => d.logits(&self.final_norm(h)?, self.cfg.vocab_size),
+            _ => Ok(self.logits(h)?.to_vec2::<f32>()?),
+        }
+    }
+
+    fn final_norm(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?)
+    }
+
+    /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let h = self.final_norm(h)?;
+        let logits = self.head.forward(&h)?.to_dtype(DType::F32)?;
+        match logits.dim(candle_core::D::Minus1)? {
+            n if n == self.cfg.vocab_size => Ok(logits),
+            _ => Ok(logits.narrow(candle_core::D::Minus1, 0, self.cfg.vocab_size)?.contiguous()?),
+        }
+    }
+
+    /// The whole model at depth `loops` (in `1..=MAX_LOOPS`) over new tokens of each sequence (at least one each),
+    /// returning logits.
+    pub fn forward(&self, seqs: &mut [SeqChunk], loops: usize, rows: LogitRows) -> Result<Tensor> {
+        debug_assert!((1..=MAX_LOOPS).contains(&loops), "loops are checked on entry");
+        debug_assert!(!seqs.is_empty() && seqs.iter().all(|s| !s.tokens.is_empty()), "at least one token per sequence");
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let x = self.embed(&tokens)?;
+        let h = self.run(x, seqs, true, 0..loops)?;
+        let h = match rows {
+            LogitRows::All => h,
+            LogitRows::Last => {
+                let mut ends = Vec::with_capacity(seqs.len());
+                let mut off = 0u32;
+                for s in seqs.iter() {
+                    off += s.tokens.len() as u32;
+                    ends.push(off - 1);
+                }
+                h.index_select(&Tensor::new(ends.as_slice(), &Device::Cpu)?, 0)?
+            }
+        };
+        self.logits(&h)
+    }
+}
