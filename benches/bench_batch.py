@@ -16,7 +16,7 @@ import tinyloop
 from tinyloop import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_models import model_path  # noqa: E402
+from quant_models import model_path
 
 TOKENS = 32
 CASES = [(w, n) for w in ("fp16", "int8", "int4 RTN") for n in (1, 4, 16)]
@@ -29,7 +29,7 @@ def _run(engine, n: int) -> int:
     while streams:
         events = engine.step_many(streams)
         produced += sum(ev.token_id >= 0 for ev in events)
-        streams = [s for s, ev in zip(streams, events) if ev.finish_reason is None]
+        streams = [s for s, ev in zip(streams, events, strict=True) if ev.finish_reason is None]
     return produced
 
 

@@ -1,7 +1,7 @@
 """Decode and prefill throughput of the engine on random models (no quality meaning, only speed).
 
-    pytest benches/bench_engine.py --benchmark-json=.benchmarks/engine.json
-    python benches/report.py .benchmarks/engine.json   # prints the table for docs/performance.md
+pytest benches/bench_engine.py --benchmark-json=.benchmarks/engine.json
+python benches/report.py .benchmarks/engine.json   # prints the table for docs/performance.md
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The fuzzers of tests/test_fuzz_files.py run for longer (a few minutes): every prefix of the seed models, 20,000
-mutated and random files through `tinyloop.Engine` and 3,000 through `tinyloop.modelfile.format.read_gguf`, each loaded by a
+mutated and random files through `tinyloop.Engine` and 3,000 through
+`tinyloop.modelfile.format.read_gguf`, each loaded by a
 worker process (tests/fuzz_files.py) so that a crash, a hang, an untyped error or a memory spike fails with the case
 that caused it; then 5,000 texts through the shipped model's tokenizer.
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 import tinyloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fuzz_files import Case, Worker, mutations, problem, write_seeds  # noqa: E402
+from fuzz_files import Case, Worker, mutations, problem, write_seeds
 
 CASES = int(os.environ.get("FUZZ_CASES", "20000"))
 MODEL = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"

@@ -31,7 +31,9 @@ from quant_models import CACHE, DEFAULT  # noqa: E402
 
 THREADS = 2
 LOOPS = 8
-SMALL = ModelConfig(dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, block_count=2, context_length=1024, name="random-small")
+SMALL = ModelConfig(
+    dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, block_count=2, context_length=1024, name="random-small"
+)
 # The reference's 407M shape (dim 2048, 16 heads, ffn 8192, k = 4); llama.cpp must stream its 32 unrolled layers.
 SEED = ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed")
 
@@ -57,8 +59,15 @@ def _files(name: str, weight_type: str) -> tuple[Path, Path]:
 
 
 def _llama(path: Path, n_ctx: int = 1024):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
-                           n_batch=512, verbose=False, logits_all=False)
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        n_batch=512,
+        verbose=False,
+        logits_all=False,
+    )
 
 
 def _llama_greedy(llm, prompt: list[int], n: int) -> list[int]:
@@ -179,8 +188,12 @@ def test_peak_rss(benchmark, case, engine_name):
 
     name, wt = case
     src, gguf = _files(name, wt)
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(src), str(gguf), engine_name, "4"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(src), str(gguf), engine_name, "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     kib = int(out.stdout.split()[-1])
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     benchmark.extra_info.update(kind="peak_rss", model=name, weight_type=wt, engine=engine_name, rss_mib=kib / 1024)

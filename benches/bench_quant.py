@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from quant_models import WEIGHTS, model_path
+from tinyloop import SamplingParams
 
 TOKENS = 48
 
@@ -20,7 +19,8 @@ TOKENS = 48
 def test_decode(benchmark, name):
     engine = tinyloop.Engine(model_path(name))
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    out = benchmark.pedantic(engine.generate, args=("The king said", params, 8), rounds=3, iterations=1,
-                             warmup_rounds=1)
+    out = benchmark.pedantic(
+        engine.generate, args=("The king said", params, 8), rounds=3, iterations=1, warmup_rounds=1
+    )
     assert len(out.tokens) == TOKENS
     benchmark.extra_info.update(weights=name, quant=engine.info.quant, tokens=TOKENS, loops=8)

@@ -28,8 +28,17 @@ DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
 def tiny_model(tmp_path_factory) -> Path:
     from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
-    tiny = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, prelude_count=1, default_loops=3,
-                       context_length=256, name="fuzz-tiny")
+    tiny = ModelConfig(
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        block_count=2,
+        prelude_count=1,
+        default_loops=3,
+        context_length=256,
+        name="fuzz-tiny",
+    )
     path = tmp_path_factory.mktemp("fuzz") / "tiny.tinyloop"
     write_model(path, tiny, random_weights(tiny, seed=0))
     return path
@@ -41,9 +50,14 @@ def test_schemathesis_at_length(which, tiny_model):
     with running_server(model, "--max-tokens-limit", "16") as base:
         report = fuzz(base, examples=EXAMPLES, seed=1)
         healthy = httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok"}
-    figures = {"model": which, "examples_per_operation_and_mode": EXAMPLES, "cases": report.cases,
-               "statuses": {op: dict(c) for op, c in report.statuses.items()}, "failures": report.failures,
-               "healthy_after": healthy}
+    figures = {
+        "model": which,
+        "examples_per_operation_and_mode": EXAMPLES,
+        "cases": report.cases,
+        "statuses": {op: dict(c) for op, c in report.statuses.items()},
+        "failures": report.failures,
+        "healthy_after": healthy,
+    }
     out = ROOT / ".benchmarks" / f"schemathesis-{which}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(figures, indent=1))

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_models import CACHE, model_path  # noqa: E402
+from quant_models import CACHE, model_path
 
 TOKENS = 32
 CLIENTS = (1, 4, 16)
@@ -41,16 +41,42 @@ def _free_port() -> int:
 def _server_cmd(kind: str, port: int) -> list[str]:
     src = model_path("int8")
     if kind == "tinyloop":
-        return [sys.executable, "-m", "tinyloop.server.cli", "--model", str(src), "--port", str(port),
-                "--max-running", "16", "--log-level", "warning"]
+        return [
+            sys.executable,
+            "-m",
+            "tinyloop.server.cli",
+            "--model",
+            str(src),
+            "--port",
+            str(port),
+            "--max-running",
+            "16",
+            "--log-level",
+            "warning",
+        ]
     pytest.importorskip("llama_cpp.server")
     from tinyloop.modelfile.export_llama import export_llama
 
     gguf = CACHE / f"{src.stem}-llama8.gguf"
     if not gguf.exists() or gguf.stat().st_mtime < src.stat().st_mtime:
         export_llama(src, gguf, loops=8, progress=False)
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port), "--n_threads", "2",
-           "--n_threads_batch", "2", "--n_ctx", "4096", "--verbose", "False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--port",
+        str(port),
+        "--n_threads",
+        "2",
+        "--n_threads_batch",
+        "2",
+        "--n_ctx",
+        "4096",
+        "--verbose",
+        "False",
+    ]
     if kind == "llama.cpp (no interrupt)":
         cmd += ["--interrupt_requests", "False"]
     return cmd
@@ -60,8 +86,9 @@ class Server:
     def __init__(self, kind: str):
         self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TINYLOOP_")}
-        self.proc = subprocess.Popen(_server_cmd(kind, self.port), env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            _server_cmd(kind, self.port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -79,7 +106,9 @@ class Server:
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:
-                    status[int(d.name)] = dict(l.split(":", 1) for l in (d / "status").read_text().splitlines() if ":" in l)
+                    status[int(d.name)] = dict(
+                        line.split(":", 1) for line in (d / "status").read_text().splitlines() if ":" in line
+                    )
                 except OSError:
                     continue
         tree, grew = {self.proc.pid}, True
@@ -101,8 +130,9 @@ def _load(base: str, clients: int) -> tuple[int, list[float]]:
 
     def one(i: int) -> None:
         start = time.perf_counter()
-        stream = client.completions.create(model="m", prompt=f"The {i} kings of the land", max_tokens=TOKENS,
-                                           temperature=0, stream=True)
+        stream = client.completions.create(
+            model="m", prompt=f"The {i} kings of the land", max_tokens=TOKENS, temperature=0, stream=True
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 if counts[i] == 0:
@@ -132,7 +162,12 @@ def test_concurrent_streams(benchmark, server, clients):
     benchmark.pedantic(lambda: results.append(_load(server.base, clients)), rounds=1, iterations=1)
     received, ttfts = results[-1]
     done = sorted(t for t in ttfts if t == t)
-    benchmark.extra_info.update(server=server.kind, clients=clients, received_chunks=received,
-                                completed_streams=len(done), peak_rss_mb=server.peak_rss_mb(),
-                                ttft_p50=done[len(done) // 2] if done else None,
-                                ttft_p99=done[min(len(done) - 1, int(0.99 * len(done)))] if done else None)
+    benchmark.extra_info.update(
+        server=server.kind,
+        clients=clients,
+        received_chunks=received,
+        completed_streams=len(done),
+        peak_rss_mb=server.peak_rss_mb(),
+        ttft_p50=done[len(done) // 2] if done else None,
+        ttft_p99=done[min(len(done) - 1, int(0.99 * len(done)))] if done else None,
+    )

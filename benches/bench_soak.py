@@ -39,8 +39,17 @@ SEED = int(os.environ.get("TINYLOOP_SOAK_SEED", "0"))
 OUT = Path(os.environ.get("TINYLOOP_SOAK_JSON", str(ROOT / ".benchmarks" / "soak.json")))
 DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
 # tests/conftest.py's TINY with room for the soak's prompts + 48 tokens.
-TINY = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, prelude_count=1, default_loops=3,
-                   context_length=512, name="tiny-soak")
+TINY = ModelConfig(
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    block_count=2,
+    prelude_count=1,
+    default_loops=3,
+    context_length=512,
+    name="tiny-soak",
+)
 
 
 def machine() -> dict:
@@ -52,15 +61,28 @@ def machine() -> dict:
     except (OSError, subprocess.CalledProcessError):
         pass
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    mem = next((line.split(":", 1)[1].strip() for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), None)
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory": mem, "python": platform.python_version(),
-            "tinyloop": tinyloop.__version__, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    mem = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        None,
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "python": platform.python_version(),
+        "tinyloop": tinyloop.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +105,11 @@ def test_soak(benchmark, model_paths, model, capsys):
     with server_process(path) as (base, proc, output):
         with capsys.disabled():
             print(f"\nsoak: {model} model ({path.name}), {SECONDS:g} s, {CLIENTS} clients, seed {SEED}")
-            report = benchmark.pedantic(lambda: run_soak(base, proc.pid, SECONDS, clients=CLIENTS, seed=SEED,
-                                                         progress=True), rounds=1, iterations=1)
+            report = benchmark.pedantic(
+                lambda: run_soak(base, proc.pid, SECONDS, clients=CLIENTS, seed=SEED, progress=True),
+                rounds=1,
+                iterations=1,
+            )
         log = output()
     report["model"] = {"name": model, "path": str(path), "bytes": path.stat().st_size}
     report["machine"] = machine()
@@ -96,18 +121,31 @@ def test_soak(benchmark, model_paths, model, capsys):
         print(summary(report))
         print(f"written to {OUT}")
     benchmark.extra_info.update(
-        model=model, seconds=SECONDS, clients=CLIENTS, requests=report["requests"], completed=report["completed"],
-        tokens_per_s=report["tokens_per_s"], server_tokens_per_s=report["server_tokens_per_s"],
-        fivexx=report["5xx"], wrong_outputs=report["wrong_outputs"], transport_errors=report["transport_errors"],
-        missing_done=report["missing_done"], rss_mib=report["rss_mib"],
-        rss_change_after_warmup=report["rss_change_after_warmup"], final_gauges=report["final_gauges"])
+        model=model,
+        seconds=SECONDS,
+        clients=CLIENTS,
+        requests=report["requests"],
+        completed=report["completed"],
+        tokens_per_s=report["tokens_per_s"],
+        server_tokens_per_s=report["server_tokens_per_s"],
+        fivexx=report["5xx"],
+        wrong_outputs=report["wrong_outputs"],
+        transport_errors=report["transport_errors"],
+        missing_done=report["missing_done"],
+        rss_mib=report["rss_mib"],
+        rss_change_after_warmup=report["rss_change_after_warmup"],
+        final_gauges=report["final_gauges"],
+    )
 
     assert report["reference"]["errors"] == []
     assert report["5xx"] == 0 and report["server_5xx"] == {}
     assert report["wrong_outputs"] == 0 and report["transport_errors"] == 0 and report["unexpected_status"] == 0
     assert report["missing_done"] == 0 and report["drained"]
-    assert report["final_gauges"] == {"tinyloop_requests_running": 0, "tinyloop_requests_waiting": 0,
-                                      "tinyloop_kv_cache_bytes": 0}
+    assert report["final_gauges"] == {
+        "tinyloop_requests_running": 0,
+        "tinyloop_requests_waiting": 0,
+        "tinyloop_kv_cache_bytes": 0,
+    }
     assert report["server_tracebacks"] == 0
     # RSS flat within 5% after warm-up (medians of the tenth after warm-up and of the last tenth, tests/soak.py).
     assert report["rss_change_after_warmup"] <= 0.05, report["rss_mib"]

@@ -1,7 +1,7 @@
 """Self-speculative decoding vs plain generation at the same verify depth, on the shipped default model (greedy).
 
-    pytest benches/bench_speculative.py --benchmark-json=.benchmarks/spec.json
-    python benches/report_speculative.py .benchmarks/spec.json docs/speculative_speed.png   # table for the doc
+pytest benches/bench_speculative.py --benchmark-json=.benchmarks/spec.json
+python benches/report_speculative.py .benchmarks/spec.json docs/speculative_speed.png   # table for the doc
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import tinyloop
 from tinyloop import SamplingParams
 
 MODEL = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
-PROMPTS = ["In the beginning God created", "To be, or not to be, that is", "The LORD is my shepherd;",
-           "Blessed is the man that walketh not"]
+PROMPTS = [
+    "In the beginning God created",
+    "To be, or not to be, that is",
+    "The LORD is my shepherd;",
+    "Blessed is the man that walketh not",
+]
 VERIFY = 8
 TOKENS = 32
 # (draft_loops, draft_ahead, K_branches, head): chain across depths and lengths, then trees; drafts through the
 # model's draft vocabulary ("draft") and, for comparison, through the full 50,257-row head ("full").
-SETTINGS = ([None] + [(d, k, 1, "draft") for d in (1, 2, 3, 4) for k in (2, 4, 8)]
-            + [(2, k, b, "draft") for k in (2, 4) for b in (2, 3, 4)]
-            + [(d, 4, 1, "full") for d in (1, 2, 3)] + [(2, 4, 2, "full")])
+SETTINGS = (
+    [None]
+    + [(d, k, 1, "draft") for d in (1, 2, 3, 4) for k in (2, 4, 8)]
+    + [(2, k, b, "draft") for k in (2, 4) for b in (2, 3, 4)]
+    + [(d, 4, 1, "full") for d in (1, 2, 3)]
+    + [(2, 4, 2, "full")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +49,7 @@ def reference(engine):
     return [engine.generate(p, params, loops=VERIFY).tokens for p in PROMPTS]
 
 
-@pytest.mark.parametrize("setting", SETTINGS,
-                         ids=lambda s: "plain" if s is None else f"d{s[0]}-k{s[1]}-K{s[2]}-{s[3]}")
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "plain" if s is None else f"d{s[0]}-k{s[1]}-K{s[2]}-{s[3]}")
 def test_decode(benchmark, engines, reference, setting):
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     draft, branches = (setting[:2], setting[2]) if setting else (None, 1)
@@ -56,7 +63,14 @@ def test_decode(benchmark, engines, reference, setting):
     assert [o.tokens for o in outs] == reference  # identical greedy output
     rounds = sum(o.draft_rounds for o in outs)
     accepted = sum(o.draft_accepted for o in outs)
-    benchmark.extra_info.update(draft_loops=draft[0] if draft else 0, draft_ahead=draft[1] if draft else 0,
-                                k_branches=branches, head=head, draft_vocab=engine.info.draft_vocab_size,
-                                tokens=TOKENS * len(PROMPTS), rounds=rounds, accepted=accepted,
-                                proposed=sum(o.draft_proposed for o in outs))
+    benchmark.extra_info.update(
+        draft_loops=draft[0] if draft else 0,
+        draft_ahead=draft[1] if draft else 0,
+        k_branches=branches,
+        head=head,
+        draft_vocab=engine.info.draft_vocab_size,
+        tokens=TOKENS * len(PROMPTS),
+        rounds=rounds,
+        accepted=accepted,
+        proposed=sum(o.draft_proposed for o in outs),
+    )

@@ -8,9 +8,13 @@ from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 SHAPES = {
     # small: dim 384, 6 heads, ffn 1024, k = 2
-    "small": ModelConfig(dim=384, n_heads=6, n_kv_heads=6, ffn_dim=1024, block_count=2, context_length=1024, name="small"),
+    "small": ModelConfig(
+        dim=384, n_heads=6, n_kv_heads=6, ffn_dim=1024, block_count=2, context_length=1024, name="small"
+    ),
     # seed-shaped: the reference's 407M looped model (dim 2048, 16 heads, ffn 8192, k = 4)
-    "seed": ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed"),
+    "seed": ModelConfig(
+        dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed"
+    ),
 }
 
 

@@ -46,8 +46,10 @@ def main() -> None:
     print(f"one loop + head  (1 row):                  {one_loop * 1e3:7.2f} ms")
     print(f"{k}-row pass       (loops {L} + head, upper bound of a verify pass): {verify_rows * 1e3:7.2f} ms")
     round_cost = k * draft + verify_rows
-    print(f"round of {k} drafts + verify ≈ {round_cost * 1e3:.2f} ms = {round_cost / plain:.2f} plain steps; "
-          f"break-even needs {round_cost / plain:.2f} tokens per round (at most {k})")
+    print(
+        f"round of {k} drafts + verify ≈ {round_cost * 1e3:.2f} ms = {round_cost / plain:.2f} plain steps; "
+        f"break-even needs {round_cost / plain:.2f} tokens per round (at most {k})"
+    )
 
 
 if __name__ == "__main__":

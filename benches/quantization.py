@@ -16,17 +16,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tinyloop  # noqa: E402
-from tinyloop.modelfile.evaluate import evaluate, held_out_ids  # noqa: E402
-
-from quant_models import ROOT, model_path  # noqa: E402
+import tinyloop
+from quant_models import ROOT, model_path
+from tinyloop.modelfile.evaluate import evaluate, held_out_ids
 
 LOOPS = 8
 # (weights, KV mode): every weight type with the fp16 cache, every cache mode with fp16 weights, and the
 # combination the reference ships (GPTQ int4 weights, int4-h cache).
-ROWS = [("fp16", "fp16"), ("int8", "fp16"), ("int4 RTN", "fp16"), ("int4 GPTQ (Q4_0)", "fp16"),
-        ("int4 GPTQ (Q4_1)", "fp16"), ("int2", "fp16"), ("fp16", "int8"), ("fp16", "int4"), ("fp16", "int4-h"),
-        ("int4 GPTQ (Q4_0)", "int4-h")]
+ROWS = [
+    ("fp16", "fp16"),
+    ("int8", "fp16"),
+    ("int4 RTN", "fp16"),
+    ("int4 GPTQ (Q4_0)", "fp16"),
+    ("int4 GPTQ (Q4_1)", "fp16"),
+    ("int2", "fp16"),
+    ("fp16", "int8"),
+    ("fp16", "int4"),
+    ("fp16", "int4-h"),
+    ("int4 GPTQ (Q4_0)", "int4-h"),
+]
 
 
 def kv_bytes_per_token(engine: tinyloop.Engine, ids: list[int]) -> float:
@@ -39,8 +47,10 @@ def decode_ratios(bench_json: Path | None) -> dict[str, float]:
     """Decode tokens/s of each weight type divided by fp16's, from one benchmark run (best round each)."""
     if bench_json is None:
         return {}
-    runs = {b["extra_info"]["weights"]: b["extra_info"]["tokens"] / b["stats"]["min"]
-            for b in json.loads(bench_json.read_text())["benchmarks"]}
+    runs = {
+        b["extra_info"]["weights"]: b["extra_info"]["tokens"] / b["stats"]["min"]
+        for b in json.loads(bench_json.read_text())["benchmarks"]
+    }
     return {name: tps / runs["fp16"] for name, tps in runs.items()} | {"_tok_s": runs}
 
 
@@ -53,9 +63,15 @@ def measure(heldout: Path, tokens: int, bench_json: Path | None) -> dict:
         engine = tinyloop.Engine(path, kv_cache_mode=kv)
         ids = ids or held_out_ids(engine, heldout.read_text(), tokens)
         ev = evaluate(engine, ids, engine.info.max_seq_len - 1, depths=[LOOPS], progress=False)
-        row = {"weights": weights, "kv": kv, "quant": engine.info.quant, "perplexity": ev["perplexity"][LOOPS],
-               "tokens": ev["tokens"], "file_mb": path.stat().st_size / 1e6,
-               "kv_bytes_per_token": kv_bytes_per_token(engine, ids)}
+        row = {
+            "weights": weights,
+            "kv": kv,
+            "quant": engine.info.quant,
+            "perplexity": ev["perplexity"][LOOPS],
+            "tokens": ev["tokens"],
+            "file_mb": path.stat().st_size / 1e6,
+            "kv_bytes_per_token": kv_bytes_per_token(engine, ids),
+        }
         if kv == "fp16" and weights in speed:
             row["decode_vs_fp16"] = speed[weights]
             row["decode_tok_s"] = speed["_tok_s"][weights]
@@ -68,12 +84,16 @@ def measure(heldout: Path, tokens: int, bench_json: Path | None) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| weights | KV cache | perplexity (loops 8) | Δ vs fp16 | file MB | KV bytes / token | decode vs fp16 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| weights | KV cache | perplexity (loops 8) | Δ vs fp16 | file MB | KV bytes / token | decode vs fp16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         speed = f"{r['decode_vs_fp16']:.2f}×" if "decode_vs_fp16" in r else ""
-        lines.append(f"| {r['weights']} | {r['kv']} | {r['perplexity']:.2f} | {r['delta_pct']:+.2f}% | "
-                     f"{r['file_mb']:.1f} | {r['kv_bytes_per_token']:,.0f} | {speed} |")
+        lines.append(
+            f"| {r['weights']} | {r['kv']} | {r['perplexity']:.2f} | {r['delta_pct']:+.2f}% | "
+            f"{r['file_mb']:.1f} | {r['kv_bytes_per_token']:,.0f} | {speed} |"
+        )
     return "\n".join(lines)
 
 
@@ -95,7 +115,9 @@ def plot(result: dict, path: Path) -> None:
     b.scatter([r["file_mb"] for r in rows if r["kv"] == "fp16"], [r["delta_pct"] for r in rows if r["kv"] == "fp16"])
     for r in rows:
         if r["kv"] == "fp16":
-            b.annotate(r["weights"], (r["file_mb"], r["delta_pct"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+            b.annotate(
+                r["weights"], (r["file_mb"], r["delta_pct"]), fontsize=8, xytext=(4, 4), textcoords="offset points"
+            )
     b.set_xlabel("file size (MB)")
     b.set_ylabel("perplexity change (%)")
     b.set_yscale("symlog", linthresh=1)
@@ -108,7 +130,9 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     corpus = ROOT / "data" / "corpus" / "heldout.txt"
-    ap.add_argument("--heldout", type=Path, default=corpus if corpus.exists() else ROOT / "tests" / "data" / "heldout_sample.txt")
+    ap.add_argument(
+        "--heldout", type=Path, default=corpus if corpus.exists() else ROOT / "tests" / "data" / "heldout_sample.txt"
+    )
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--bench", type=Path, default=None, help="pytest-benchmark JSON of benches/bench_quant.py")
     ap.add_argument("--json", type=Path, default=None)

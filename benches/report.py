@@ -15,7 +15,9 @@ def main(path: str) -> None:
     print("| model | weights | loops | decode tok/s | prefill tok/s (128-token prompt) |")
     print("|---|---|---|---|---|")
     for (shape, wt, loops), r in sorted(rows.items()):
-        print(f"| {shape} | {wt} | {loops} | {r.get('decode', float('nan')):.1f} | {r.get('prefill', float('nan')):.1f} |")
+        print(
+            f"| {shape} | {wt} | {loops} | {r.get('decode', float('nan')):.1f} | {r.get('prefill', float('nan')):.1f} |"
+        )
 
 
 if __name__ == "__main__":

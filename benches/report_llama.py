@@ -27,14 +27,18 @@ def main(path: str) -> int:
     for (kind, model, wt), r in sorted(rows.items()):
         for ours, label in (("tinyloop", kind), ("tinyloop-spec", f"{kind}, self-speculative (2, 4) vs plain")):
             if ours in r and "llama.cpp" in r:
-                print(f"| {label} | {model} | {wt} | {r[ours]:.1f} | {r['llama.cpp']:.1f} | "
-                      f"{r[ours] / r['llama.cpp']:.2f}× |")
+                print(
+                    f"| {label} | {model} | {wt} | {r[ours]:.1f} | {r['llama.cpp']:.1f} | "
+                    f"{r[ours] / r['llama.cpp']:.2f}× |"
+                )
     if rss:
         print()
         print("| model | weights | tinyloop peak RSS (MiB) | llama.cpp peak RSS (MiB) |")
         print("|---|---|---|---|")
         for (model, wt), r in sorted(rss.items()):
-            print(f"| {model} | {wt} | {r.get('tinyloop', float('nan')):.0f} | {r.get('llama.cpp', float('nan')):.0f} |")
+            print(
+                f"| {model} | {wt} | {r.get('tinyloop', float('nan')):.0f} | {r.get('llama.cpp', float('nan')):.0f} |"
+            )
     return 0
 
 

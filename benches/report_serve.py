@@ -18,8 +18,10 @@ def main(path: str) -> int:
         tps = e["received_chunks"] / b["stats"]["min"]
         p50 = f"{e['ttft_p50']:.2f}" if e["ttft_p50"] is not None else "–"
         p99 = f"{e['ttft_p99']:.2f}" if e["ttft_p99"] is not None else "–"
-        print(f"| {e['server']} | {e['clients']} | {e['completed_streams']}/{e['clients']} | {tps:.1f} | {p50} | {p99} | "
-              f"{e['peak_rss_mb']:.0f} |")
+        print(
+            f"| {e['server']} | {e['clients']} | {e['completed_streams']}/{e['clients']} | {tps:.1f} | {p50} | {p99} | "
+            f"{e['peak_rss_mb']:.0f} |"
+        )
     return 0
 
 

@@ -16,8 +16,14 @@ def main(path: str, plot_path: str | None = None) -> None:
         if e["draft_loops"] == 0:
             plain = tps
         else:
-            row = (e["draft_loops"], e["draft_ahead"], e.get("k_branches", 1), tps,
-                   e["accepted"] / max(1, e["rounds"]), e["accepted"] / max(1, e["proposed"]))
+            row = (
+                e["draft_loops"],
+                e["draft_ahead"],
+                e.get("k_branches", 1),
+                tps,
+                e["accepted"] / max(1, e["rounds"]),
+                e["accepted"] / max(1, e["proposed"]),
+            )
             (full if e.get("head") == "full" else rows).append(row)
     assert plain is not None, "the run has no plain baseline"
     print(f"plain decoding at verify_loops 8: {plain:.1f} tok/s\n")
@@ -27,7 +33,10 @@ def main(path: str, plot_path: str | None = None) -> None:
         print(f"| {d} | {k} | {b} | {tps:.1f} | {tps / plain:.2f} | {per_round:.2f} | {rate:.2f} |")
     if full:
         print("\nThe same settings with drafts through the full head (`Engine(..., draft_vocab=False)`):\n")
-        print("| draft_loops | draft_ahead | K_branches | full head tok/s | × plain | draft head × plain | acceptance (full / draft) |")
+        print(
+            "| draft_loops | draft_ahead | K_branches | full head tok/s | × plain | draft head × plain "
+            "| acceptance (full / draft) |"
+        )
         print("|---|---|---|---|---|---|---|")
         by_key = {r[:3]: r for r in rows}
         for d, k, b, tps, _, rate in sorted(full, key=lambda r: (r[2], r[0], r[1])):
@@ -47,7 +56,9 @@ def main(path: str, plot_path: str | None = None) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"chain, draft_ahead {k}")
         pts = sorted((d, tps / plain) for d, kk, b, tps, _, _ in full if kk == 4 and b == 1)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "x--", color="gray", label="chain, draft_ahead 4, full head")
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "x--", color="gray", label="chain, draft_ahead 4, full head"
+            )
         for b in sorted({r[2] for r in rows if r[2] > 1}):
             pts = sorted((d, tps / plain) for d, kk, bb, tps, _, _ in rows if bb == b and kk == 4)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", label=f"tree K={b}, draft_ahead 4")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -65,7 +64,7 @@ def strip_code(text: str) -> str:
 
 
 def expand_use_tree(prefix: list[str], tree: str) -> list[list[str]]:
-    """`a::{b, c::{d}}` after `prefix` → [[...prefix, a, b], [...prefix, a, c, d]] (only the leading segments matter)."""
+    """`a::{b, c::{d}}` after `prefix` → [[...prefix, a, b], [...prefix, a, c, d]] (the leading segments matter)."""
     tree = tree.strip()
     if not tree:
         return [prefix]
@@ -86,8 +85,8 @@ def expand_use_tree(prefix: list[str], tree: str) -> list[list[str]]:
         return [prefix]
     head, rest = m.group(1), tree[m.end() :]
     if not m.group(2):
-        return [prefix + [head]]
-    return expand_use_tree(prefix + [head], rest)
+        return [[*prefix, head]]
+    return expand_use_tree([*prefix, head], rest)
 
 
 def paths_in(code: str) -> list[tuple[int, list[str]]]:

@@ -51,16 +51,22 @@ def fuzz(base: str, examples: int, seed: int = 0) -> FuzzReport:
         name = f"{op.method.upper()} {op.path}"
         counts = report.statuses.setdefault(name, Counter())
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
-                  suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.generate],
+        )
         @given(case=op.as_strategy(generation_mode=mode))
-        def run(case) -> None:
+        def run(case) -> None:  # called within this iteration only, so the loop variables it reads are current
             r = case.call(base_url=base, timeout=60)
-            counts[r.status_code] += 1
+            counts[r.status_code] += 1  # noqa: B023
             ctype = r.headers.get("content-type") or [""]  # schemathesis keeps each header as a list
             problem = _problem(r.status_code, r.content, ctype[0] if isinstance(ctype, list) else ctype)
             if problem:
-                report.failures.append(f"{name} ({mode.value}): {problem}; body sent: {case.body!r:.300}")
+                report.failures.append(f"{name} ({mode.value}): {problem}; body sent: {case.body!r:.300}")  # noqa: B023
 
         run._hypothesis_internal_use_seed = seed  # reproducible case streams
         try:

@@ -9,8 +9,18 @@ from pathlib import Path
 CONTRACTIONS = ["don't", "I'm", "we'll", "they've", "she'd", "it's", "you're", "DON'T", "O'Neil's", "rock'n'roll"]
 EMOJI = ["😀", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🧑🏿‍🚀", "❤️", "🇫🇷", "🫠", "👩‍❤️‍💋‍👨", "1️⃣"]
 WHITESPACE = [" ", "  ", "\t", "\n", "\r\n", "\n\n\n", " \t ", "\u00a0", "\u3000", "\u2028", "\x0b", "\x0c"]
-SCRIPTS = [(0x4E00, 0x9FFF), (0x3040, 0x30FF), (0xAC00, 0xD7A3), (0x0400, 0x04FF), (0x0590, 0x05FF),
-           (0x0600, 0x06FF), (0x0900, 0x097F), (0x0E00, 0x0E7F), (0x0370, 0x03FF), (0x1F300, 0x1FAFF)]
+SCRIPTS = [
+    (0x4E00, 0x9FFF),
+    (0x3040, 0x30FF),
+    (0xAC00, 0xD7A3),
+    (0x0400, 0x04FF),
+    (0x0590, 0x05FF),
+    (0x0600, 0x06FF),
+    (0x0900, 0x097F),
+    (0x0E00, 0x0E7F),
+    (0x0370, 0x03FF),
+    (0x1F300, 0x1FAFF),
+]
 COMBINING = [chr(c) for c in range(0x0300, 0x036F)] + ["\u20dd", "\u0e49", "\u093f"]
 
 
@@ -50,7 +60,7 @@ def _messy(rng: random.Random, n: int) -> str:
         elif kind == 3:
             s = "".join(rng.choice(WHITESPACE) for _ in range(rng.randint(1, 30)))
         elif kind == 4:
-            s = str(rng.randint(0, 10**rng.randint(1, 30))) + rng.choice([".", ",", "", " ", "e-7", "%"])
+            s = str(rng.randint(0, 10 ** rng.randint(1, 30))) + rng.choice([".", ",", "", " ", "e-7", "%"])
         elif kind == 5:
             s = rng.choice(CONTRACTIONS) + rng.choice([" ", "", "'s", "'", "''"])
         elif kind == 6:

@@ -31,18 +31,42 @@ N_VOCAB = 321  # 320 byte-level tokens and merges, then <|endoftext|>; 321 rows 
 # than the file justifies.
 RSS_LIMIT_MIB = 64
 # Outcomes a malformed file may have: it loads (and then runs or fails typed), or it is refused typed (ValueError is
-# what `tinyloop.modelfile.format.read_gguf` documents). EngineError is tinyloop's "internal failure (a bug)", including a
-# caught panic: never acceptable here.
+# what `tinyloop.modelfile.format.read_gguf` documents). EngineError is tinyloop's "internal failure (a bug)",
+# including a caught panic: never acceptable here.
 ACCEPTED = {"loaded", "ModelLoadError", "TokenizerError", "InvalidRequestError", "ContextLengthError", "ValueError"}
 
 
 def seed_configs():
     from tinyloop.modelfile.format import ModelConfig
 
-    base = ModelConfig(dim=8, n_heads=2, n_kv_heads=1, ffn_dim=8, block_count=1, prelude_count=1, default_loops=2,
-                       max_trained_loops=2, context_length=32, vocab_size=N_VOCAB, tied_head=False, name="fuzz-f32")
-    quant = ModelConfig(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=32, block_count=2, prelude_count=0, default_loops=2,
-                        max_trained_loops=2, context_length=32, vocab_size=N_VOCAB, tied_head=True, name="fuzz-q")
+    base = ModelConfig(
+        dim=8,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=8,
+        block_count=1,
+        prelude_count=1,
+        default_loops=2,
+        max_trained_loops=2,
+        context_length=32,
+        vocab_size=N_VOCAB,
+        tied_head=False,
+        name="fuzz-f32",
+    )
+    quant = ModelConfig(
+        dim=32,
+        n_heads=2,
+        n_kv_heads=2,
+        ffn_dim=32,
+        block_count=2,
+        prelude_count=0,
+        default_loops=2,
+        max_trained_loops=2,
+        context_length=32,
+        vocab_size=N_VOCAB,
+        tied_head=True,
+        name="fuzz-q",
+    )
     # name -> (config, weight type, embedding type)
     return {"f32": (base, "F32", None), "quant": (quant, "Q4_0", "Q8_0")}
 
@@ -51,8 +75,13 @@ def small_vocab(n: int = N_VOCAB):
     from tinyloop.modelfile.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
 
     v = gpt2_vocabulary()  # ranks 0..255 are the bytes, merge i makes rank 256 + i
-    return Vocabulary(v.tokens[: n - 1] + [EOT_TOKEN], v.token_types[: n - 1] + [3], v.merges[: n - 257],
-                      eos_token_id=n - 1, bos_token_id=n - 1)
+    return Vocabulary(
+        [*v.tokens[: n - 1], EOT_TOKEN],
+        [*v.token_types[: n - 1], 3],
+        v.merges[: n - 257],
+        eos_token_id=n - 1,
+        bos_token_id=n - 1,
+    )
 
 
 @dataclass(frozen=True)
@@ -193,8 +222,9 @@ def edge_values(seed: Seed) -> list[Case]:
         top = 2 ** (8 * f.size) - 1
         for value in sorted({0, (top >> 1) + 1, top, (old + 1) & top} - {old}):
             data = seed.data[: f.offset] + value.to_bytes(f.size, "little") + seed.data[f.offset + f.size :]
-            cases.append(Case(f"{seed.name}: {f.kind} of {f.owner or 'the header'} at {f.offset}: {old} -> {value}",
-                              data))
+            cases.append(
+                Case(f"{seed.name}: {f.kind} of {f.owner or 'the header'} at {f.offset}: {old} -> {value}", data)
+            )
     return cases
 
 
@@ -238,8 +268,11 @@ def poisoned_weights(draw, seeds: list[Seed]) -> Case:
     it loads, and generation must then still finish or fail typed."""
     seed = draw(st.sampled_from(seeds))
     data = bytearray(seed.data)
-    spots = draw(st.lists(st.tuples(st.integers(seed.data_start, len(data) - 4), st.sampled_from(_POISON)),
-                          min_size=1, max_size=64))
+    spots = draw(
+        st.lists(
+            st.tuples(st.integers(seed.data_start, len(data) - 4), st.sampled_from(_POISON)), min_size=1, max_size=64
+        )
+    )
     for at, value in spots:
         at -= at % len(value)
         data[at : at + len(value)] = value
@@ -277,8 +310,15 @@ def random_files(draw) -> Case:
 
 
 def mutations(seeds: list[Seed]) -> st.SearchStrategy[Case]:
-    return st.one_of(truncated(seeds), bit_flipped(seeds), overwritten_field(seeds), overwritten_bytes(seeds),
-                     spliced(seeds), poisoned_weights(seeds), random_files())
+    return st.one_of(
+        truncated(seeds),
+        bit_flipped(seeds),
+        overwritten_field(seeds),
+        overwritten_bytes(seeds),
+        spliced(seeds),
+        poisoned_weights(seeds),
+        random_files(),
+    )
 
 
 # --- the worker -------------------------------------------------------------------------------------------------------
@@ -317,8 +357,10 @@ def _run(engine) -> None:
     """A loaded model (its weights or settings perhaps mutated) must generate, or fail typed."""
     import tinyloop
 
-    for params in (tinyloop.SamplingParams(temperature=0.0, max_tokens=2),
-                   tinyloop.SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=2)):
+    for params in (
+        tinyloop.SamplingParams(temperature=0.0, max_tokens=2),
+        tinyloop.SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=2),
+    ):
         engine.generate([1, 2, 3], params)
     engine.decode(engine.encode("Hi <|endoftext|> there", allow_special=True))
 
@@ -331,7 +373,7 @@ def check_read_gguf(path: str) -> dict:
         model_config(read_gguf(path))
     except ValueError as e:
         return {"outcome": "ValueError", "message": str(e)[-300:]}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         return {"outcome": f"unexpected {type(e).__module__}.{type(e).__name__}", "message": str(e)[-300:]}
     return {"outcome": "loaded"}
 
@@ -343,19 +385,19 @@ def check_file(path: str, run: bool, reader: str = "engine") -> dict:
         return check_read_gguf(path)
     try:
         engine = tinyloop.Engine(path)
-    except BaseException as e:  # noqa: BLE001 - the point is to see every kind
+    except BaseException as e:
         return {"outcome": _outcome(e), "message": str(e)[-300:]}
     if run:
         try:
             _run(engine)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             return {"outcome": _outcome(e), "message": f"after loading: {str(e)[-300:]}"}
     return {"outcome": "loaded"}
 
 
 def serve() -> None:
     """Load the file each stdin line names (JSON: path, run, reader); answer one JSON line per request."""
-    import tinyloop  # noqa: F401 - imported before any measurement
+    import tinyloop
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -385,10 +427,16 @@ class Worker:
         self.dir.cleanup()
 
     def _start(self) -> None:
-        self.stderr = open(Path(self.dir.name) / "stderr.txt", "w+b")  # noqa: SIM115 - lives as long as the process
+        self.stderr = open(Path(self.dir.name) / "stderr.txt", "w+b")
         env = {**os.environ, "RUST_BACKTRACE": "0"}
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, env=env, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
+            text=True,
+        )
         ready = self._reply(timeout_s=120)
         assert ready.get("ready"), f"fuzz worker did not start: {ready}"
 

@@ -78,7 +78,9 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype, aq, window: int = 0) -> np.ndarray:
+def layer(
+    cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, kv_dtype, aq, window: int = 0
+) -> np.ndarray:
     T = x.shape[0]
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pos = np.arange(T)

@@ -55,10 +55,26 @@ PROMPTS = [
 CACHE_WINDOW = 32
 
 # Request types and their weights in the mix.
-COMPARED = ["chat_stream", "completion", "completion_sampled", "speculative", "tree_speculative", "v0_window",
-            "generate_stream"]
-MIX = {"chat_stream": 2, "completion": 2, "completion_sampled": 1, "speculative": 1.5, "tree_speculative": 1.5,
-       "v0_window": 1.5, "generate_stream": 2, "cancel_stream": 2, "cancel_nonstream": 1}
+COMPARED = [
+    "chat_stream",
+    "completion",
+    "completion_sampled",
+    "speculative",
+    "tree_speculative",
+    "v0_window",
+    "generate_stream",
+]
+MIX = {
+    "chat_stream": 2,
+    "completion": 2,
+    "completion_sampled": 1,
+    "speculative": 1.5,
+    "tree_speculative": 1.5,
+    "v0_window": 1.5,
+    "generate_stream": 2,
+    "cancel_stream": 2,
+    "cancel_nonstream": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -80,29 +96,58 @@ def build_specs(seed: int) -> dict[tuple[str, int], Spec]:
             mt = rng.randint(8, 48)
             if kind == "chat_stream":
                 path, stream = "/v1/chat/completions", True
-                body = {"model": "soak", "messages": [{"role": "user", "content": p}], "max_tokens": mt,
-                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": "soak",
+                    "messages": [{"role": "user", "content": p}],
+                    "max_tokens": mt,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
             elif kind == "completion":
                 path, stream = "/v1/completions", False
                 body = {"model": "soak", "prompt": p, "max_tokens": mt, "temperature": 0}
             elif kind == "completion_sampled":
                 path, stream = "/v1/completions", False
-                body = {"model": "soak", "prompt": p, "max_tokens": mt, "temperature": 0.9, "top_p": 0.95,
-                        "seed": rng.randint(0, 10_000), "n": rng.choice([1, 2])}
+                body = {
+                    "model": "soak",
+                    "prompt": p,
+                    "max_tokens": mt,
+                    "temperature": 0.9,
+                    "top_p": 0.95,
+                    "seed": rng.randint(0, 10_000),
+                    "n": rng.choice([1, 2]),
+                }
             elif kind in ("speculative", "tree_speculative"):
                 path, stream = f"/generate/{kind}", rng.random() < 0.5
-                body = {"prompt": p, "max_tokens": mt, "draft_loops": rng.choice([1, 2]),
-                        "verify_loops": rng.choice([3, 4, 8]), "draft_ahead": rng.choice([2, 3, 4]), "stream": stream}
+                body = {
+                    "prompt": p,
+                    "max_tokens": mt,
+                    "draft_loops": rng.choice([1, 2]),
+                    "verify_loops": rng.choice([3, 4, 8]),
+                    "draft_ahead": rng.choice([2, 3, 4]),
+                    "stream": stream,
+                }
                 if kind == "tree_speculative":
                     body["K_branches"] = rng.choice([2, 3, 4])
             elif kind == "v0_window":
                 path, stream = "/api/v0/completions", False
                 mode = rng.choice(["generate", "speculative", "tree_speculative"])
-                body = {"model": "soak", "prompt": p, "max_tokens": rng.randint(CACHE_WINDOW + 1, 48),
-                        "temperature": 0, "cache_window": CACHE_WINDOW, "mode": mode}
+                body = {
+                    "model": "soak",
+                    "prompt": p,
+                    "max_tokens": rng.randint(CACHE_WINDOW + 1, 48),
+                    "temperature": 0,
+                    "cache_window": CACHE_WINDOW,
+                    "mode": mode,
+                }
                 if mode != "generate":
-                    body.update(draft_loops=1, verify_loops=rng.choice([3, 4]), draft_ahead=3,
-                                K_branches=2 if mode == "tree_speculative" else 1)
+                    body.update(
+                        draft_loops=1,
+                        verify_loops=rng.choice([3, 4]),
+                        draft_ahead=3,
+                        K_branches=2 if mode == "tree_speculative" else 1,
+                    )
             elif kind == "generate_stream":
                 path, stream = "/generate", True
                 body = {"prompt": p, "max_tokens": mt, "loops": rng.choice([2, 3, 8]), "stream": True}
@@ -152,8 +197,9 @@ def is_prefix(spec: Spec, partial: Any, full: Any) -> bool:
     return full[0][: len(partial[0])] == partial[0] and full[1].startswith(partial[1])
 
 
-def execute(client: httpx.Client, base: str, spec: Spec, cancel_after: int | None = None,
-            timeout: httpx.Timeout | float = 120.0) -> Result:
+def execute(
+    client: httpx.Client, base: str, spec: Spec, cancel_after: int | None = None, timeout: httpx.Timeout | float = 120.0
+) -> Result:
     """Send one request; with `cancel_after`, close a stream after that many events."""
     res = Result()
     try:
@@ -206,8 +252,10 @@ def abandon_raw(base: str, spec: Spec, rng: random.Random, partial_body: bool) -
     byte; half the time with SO_LINGER 0, so the server sees a TCP reset instead of a FIN."""
     u = urlsplit(base)
     data = json.dumps(spec.body).encode()
-    head = (f"POST {spec.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    head = (
+        f"POST {spec.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
         s.sendall(head + (data[: len(data) // 2] if partial_body else data))
         delay = rng.choice([0.0, 0.0, 0.001, 0.01, 0.05])
@@ -217,8 +265,9 @@ def abandon_raw(base: str, spec: Spec, rng: random.Random, partial_body: bool) -
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-def crosscheck_reference(base: str, specs: dict[tuple[str, int], Spec], reference: dict,
-                         timeout) -> tuple[int, list[dict]]:
+def crosscheck_reference(
+    base: str, specs: dict[tuple[str, int], Spec], reference: dict, timeout
+) -> tuple[int, list[dict]]:
     """The speculative references against plain greedy generation at verify_loops, which they must equal token for
     token (docs/api.md), windowed ones included: a wrong answer the server gives every time would otherwise pass as
     its own reference. Returns (requests compared, mismatches)."""
@@ -226,24 +275,49 @@ def crosscheck_reference(base: str, specs: dict[tuple[str, int], Spec], referenc
     with httpx.Client() as c:
         for (kind, i), spec in specs.items():
             b = spec.body
-            if (kind, i) not in reference or not (kind in ("speculative", "tree_speculative")
-                                                  or b.get("mode", "generate") != "generate"):
+            if (kind, i) not in reference or not (
+                kind in ("speculative", "tree_speculative") or b.get("mode", "generate") != "generate"
+            ):
                 continue
             if kind == "v0_window":
-                plain = Spec(kind, i, spec.path, {"model": "soak", "prompt": b["prompt"], "max_tokens": b["max_tokens"],
-                                                  "temperature": 0, "cache_window": b["cache_window"],
-                                                  "loops": b["verify_loops"]}, False)
+                plain = Spec(
+                    kind,
+                    i,
+                    spec.path,
+                    {
+                        "model": "soak",
+                        "prompt": b["prompt"],
+                        "max_tokens": b["max_tokens"],
+                        "temperature": 0,
+                        "cache_window": b["cache_window"],
+                        "loops": b["verify_loops"],
+                    },
+                    False,
+                )
             else:
-                plain = Spec(kind, i, "/generate", {"prompt": b["prompt"], "max_tokens": b["max_tokens"],
-                                                    "loops": b["verify_loops"]}, False)
+                plain = Spec(
+                    kind,
+                    i,
+                    "/generate",
+                    {"prompt": b["prompt"], "max_tokens": b["max_tokens"], "loops": b["verify_loops"]},
+                    False,
+                )
             r = execute(c, base, plain, timeout=timeout)
             n += 1
             got, want = r.output, reference[kind, i]
             same = got is not None and (got[0] == want[0] if kind == "v0_window" else got[:2] == want[:2])
             if not same:
-                wrong.append({"type": "crosscheck", "request": f"{spec.path} {_short(b)}",
-                              "plain": f"{plain.path} {_short(plain.body)}", "expected (plain)": _short(got),
-                              "got": _short(want), "status": r.status, "error": r.error})
+                wrong.append(
+                    {
+                        "type": "crosscheck",
+                        "request": f"{spec.path} {_short(b)}",
+                        "plain": f"{plain.path} {_short(plain.body)}",
+                        "expected (plain)": _short(got),
+                        "got": _short(want),
+                        "status": r.status,
+                        "error": r.error,
+                    }
+                )
     return n, wrong
 
 
@@ -338,8 +412,9 @@ def _mib(kib: float) -> float:
     return round(kib / 1024, 2)
 
 
-def _reference_pass(base: str, specs: dict[tuple[str, int], Spec],
-                    timeout: httpx.Timeout) -> tuple[dict[tuple[str, int], Any], list[dict]]:
+def _reference_pass(
+    base: str, specs: dict[tuple[str, int], Spec], timeout: httpx.Timeout
+) -> tuple[dict[tuple[str, int], Any], list[dict]]:
     """Every (type, prompt) request once, in turn, from one client, so that no other request can influence the
     answers the soak's are compared with. Returns (output by (type, prompt), the requests that failed)."""
     reference: dict[tuple[str, int], Any] = {}
@@ -350,8 +425,15 @@ def _reference_pass(base: str, specs: dict[tuple[str, int], Spec],
             if r.status == 200 and r.output is not None:
                 reference[key] = r.output
             else:
-                errors.append({"request": f"{spec.path} {_short(spec.body)}", "status": r.status,
-                               "error": r.error, "body": r.body, "done": r.done})
+                errors.append(
+                    {
+                        "request": f"{spec.path} {_short(spec.body)}",
+                        "status": r.status,
+                        "error": r.error,
+                        "body": r.body,
+                        "done": r.done,
+                    }
+                )
     return reference, errors
 
 
@@ -359,8 +441,14 @@ class _Clients:
     """What the soak's client threads share: the requests, their reference answers, and the tally they count into
     (under its lock)."""
 
-    def __init__(self, base: str, timeout: httpx.Timeout, specs: dict[tuple[str, int], Spec],
-                 reference: dict[tuple[str, int], Any], tally: _Tally) -> None:
+    def __init__(
+        self,
+        base: str,
+        timeout: httpx.Timeout,
+        specs: dict[tuple[str, int], Spec],
+        reference: dict[tuple[str, int], Any],
+        tally: _Tally,
+    ) -> None:
         self.base, self.timeout, self.specs, self.reference, self.tally = base, timeout, specs, reference, tally
         self.streaming = [s for s in specs.values() if s.stream]
         self.non_streaming = [s for s in specs.values() if not s.stream]
@@ -413,8 +501,16 @@ class _Clients:
             return
         self._record(kind, spec, res, started)  # it finished within the timeout, or failed otherwise
 
-    def _record(self, kind: str, spec: Spec, res: Result, started: float, *, cancel_after: int | None = None,
-                error_events: bool = False) -> None:
+    def _record(
+        self,
+        kind: str,
+        spec: Spec,
+        res: Result,
+        started: float,
+        *,
+        cancel_after: int | None = None,
+        error_events: bool = False,
+    ) -> None:
         """Count a request whose answer the client read: whole, or with `cancel_after`, a stream up to that many
         events. `error_events` adds the number of events read to a transport error's entry."""
         t = self.tally
@@ -449,12 +545,20 @@ class _Clients:
         if res.output is not None and res.output != want:
             self.tally.wrong.add(_problem(kind, spec, expected=_short(want), got=_short(res.output)))
         elif res.output is None and res.partial is not None and not is_prefix(spec, res.partial, want):
-            self.tally.wrong.add(_problem(kind, spec, events=res.events, **{"expected prefix of": _short(want)},
-                                          got=_short(res.partial)))
+            self.tally.wrong.add(
+                _problem(kind, spec, events=res.events, **{"expected prefix of": _short(want)}, got=_short(res.partial))
+            )
 
 
-def _sample(rss: list[tuple[float, int]], start: float, seconds: float, pid: int, tally: _Tally,
-            stop: threading.Event, progress: bool) -> None:
+def _sample(
+    rss: list[tuple[float, int]],
+    start: float,
+    seconds: float,
+    pid: int,
+    tally: _Tally,
+    stop: threading.Event,
+    progress: bool,
+) -> None:
     """Append (seconds since `start`, server RSS in KiB) to `rss` every second until `stop` is set; with
     `progress`, show a tqdm bar with the request and problem counts so far."""
     bar = None
@@ -472,18 +576,19 @@ def _sample(rss: list[tuple[float, int]], start: float, seconds: float, pid: int
                 bar.update(step)
                 shown += step
             with tally.lock:
-                bad = (tally.wrong.total + tally.errors.total + tally.unexpected_status.total
-                       + tally.missing_done.total)
-                bar.set_postfix(requests=sum(tally.count.values()), rss_mib=round(rss[-1][1] / 1024, 1),
-                                problems=bad, refresh=False)
+                bad = tally.wrong.total + tally.errors.total + tally.unexpected_status.total + tally.missing_done.total
+                bar.set_postfix(
+                    requests=sum(tally.count.values()), rss_mib=round(rss[-1][1] / 1024, 1), problems=bad, refresh=False
+                )
         if stop.wait(1.0):
             break
     if bar is not None:
         bar.close()
 
 
-def _run_clients(clients: _Clients, n: int, seconds: float, seed: int, pid: int,
-                 progress: bool) -> tuple[float, list[tuple[float, int]]]:
+def _run_clients(
+    clients: _Clients, n: int, seconds: float, seed: int, pid: int, progress: bool
+) -> tuple[float, list[tuple[float, int]]]:
     """`n` client threads sending requests for `seconds` while the server's RSS is sampled. Returns (elapsed
     seconds, RSS samples as (seconds since start, KiB))."""
     start = time.perf_counter()
@@ -497,13 +602,14 @@ def _run_clients(clients: _Clients, n: int, seconds: float, seed: int, pid: int,
             while time.perf_counter() < deadline:
                 try:
                     clients.one(c, rng)
-                except Exception as e:  # noqa: BLE001 - a driver bug must show in the report, not kill the thread
+                except Exception as e:
                     with clients.tally.lock:
                         clients.tally.errors.add({"type": "driver", "error": f"{type(e).__name__}: {e}"})
 
     threads = [threading.Thread(target=client_loop, args=(i,), name=f"soak-client-{i}") for i in range(n)]
-    sampling = threading.Thread(target=_sample, args=(rss, start, seconds, pid, clients.tally, stop, progress),
-                                name="soak-rss", daemon=True)
+    sampling = threading.Thread(
+        target=_sample, args=(rss, start, seconds, pid, clients.tally, stop, progress), name="soak-rss", daemon=True
+    )
     sampling.start()
     for t in threads:
         t.start()
@@ -539,27 +645,37 @@ def _drain(control: httpx.Client, base: str, drain_timeout: float) -> tuple[bool
 def _counts_report(tally: _Tally, elapsed: float, before: dict, after: dict) -> dict:
     """The report's request counts, problems and token rates (`before`/`after`: the server's metrics around the
     soak; `after` is {} when the server could not be read)."""
-    server_tokens = (after["tinyloop_generation_tokens_total"] - before["tinyloop_generation_tokens_total"]
-                     if after else None)
+    server_tokens = (
+        after["tinyloop_generation_tokens_total"] - before["tinyloop_generation_tokens_total"] if after else None
+    )
     server_5xx = {k: v - _server_5xx(before).get(k, 0) for k, v in _server_5xx(after).items()}
     d = tally.durations
     return {
         "requests": sum(tally.count.values()),
         "completed": sum(tally.completed.values()),
-        "by_type": {k: {"requests": tally.count[k], "completed": tally.completed[k],
-                        "p50_s": _pct(d[k], 0.5), "p99_s": _pct(d[k], 0.99),
-                        "max_s": round(max(d[k]), 4) if d[k] else None}
-                    for k in MIX},
+        "by_type": {
+            k: {
+                "requests": tally.count[k],
+                "completed": tally.completed[k],
+                "p50_s": _pct(d[k], 0.5),
+                "p99_s": _pct(d[k], 0.99),
+                "max_s": round(max(d[k]), 4) if d[k] else None,
+            }
+            for k in MIX
+        },
         "cancelled": dict(tally.cancelled),
         "cancelled_transport_errors": dict(tally.cancel_errors),
         "status_codes": dict(tally.status),
         "5xx": sum(n for s, n in tally.status.items() if s.startswith("5")),
         "server_5xx": {k: v for k, v in server_5xx.items() if v},
-        "wrong_outputs": tally.wrong.total, "wrong": tally.wrong.items,
-        "transport_errors": tally.errors.total, "errors": tally.errors.items,
+        "wrong_outputs": tally.wrong.total,
+        "wrong": tally.wrong.items,
+        "transport_errors": tally.errors.total,
+        "errors": tally.errors.items,
         "unexpected_status": tally.unexpected_status.total,
         "unexpected_status_details": tally.unexpected_status.items,
-        "missing_done": tally.missing_done.total, "missing_done_details": tally.missing_done.items,
+        "missing_done": tally.missing_done.total,
+        "missing_done_details": tally.missing_done.items,
         "completion_tokens": tally.tokens,
         "tokens_per_s": round(tally.tokens / elapsed, 1),
         "server_generated_tokens": server_tokens,
@@ -582,16 +698,29 @@ def _rss_report(rss: list[tuple[float, int]], elapsed: float, rss_after_drain: i
     warm, end = level(0.2, 0.3), level(0.9, 1.01)
     step = max(1, len(rss) // 120)  # about 120 samples, whatever the length of the soak
     return {
-        "rss_mib": {"start": _mib(soak_rss[0]), "warmup_end": _mib(warm), "end": _mib(end),
-                    "max": _mib(max(soak_rss)), "after_drain": _mib(rss_after_drain)},
+        "rss_mib": {
+            "start": _mib(soak_rss[0]),
+            "warmup_end": _mib(warm),
+            "end": _mib(end),
+            "max": _mib(max(soak_rss)),
+            "after_drain": _mib(rss_after_drain),
+        },
         "rss_change_after_warmup": round((end - warm) / warm, 4) if warm else None,
         "rss_samples_mib": [(round(t, 1), _mib(v)) for t, v in rss[::step]],
         "server_gone": rss_after_drain == 0,
     }
 
 
-def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: int = 0, progress: bool = False,
-             request_timeout: float = 120.0, drain_timeout: float = 60.0) -> dict:
+def run_soak(
+    base_url: str,
+    pid: int,
+    seconds: float,
+    clients: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+    request_timeout: float = 120.0,
+    drain_timeout: float = 60.0,
+) -> dict:
     """Run the soak and return its report (see the module docstring). `progress` shows a tqdm bar;
     `request_timeout` is the longest wait for any byte of an answer before it counts as a transport error (a hang),
     `drain_timeout` the longest wait for the gauges to return to 0 at the end."""
@@ -609,23 +738,33 @@ def run_soak(base_url: str, pid: int, seconds: float, clients: int = 16, seed: i
     for w in crosscheck_wrong:
         tally.wrong.add(w)
     before = metrics(control, base)
-    elapsed, rss = _run_clients(_Clients(base, timeout, specs, reference, tally), clients, seconds, seed, pid,
-                                progress)
+    elapsed, rss = _run_clients(_Clients(base, timeout, specs, reference, tally), clients, seconds, seed, pid, progress)
     drained, drain_s, after, drain_error = _drain(control, base, drain_timeout)
     rss_after_drain = tree_rss_kib(pid)
     control.close()
 
     return {
-        "seconds": seconds, "elapsed_s": round(elapsed, 2), "clients": clients, "seed": seed,
+        "seconds": seconds,
+        "elapsed_s": round(elapsed, 2),
+        "clients": clients,
+        "seed": seed,
         **_counts_report(tally, elapsed, before, after),
         **_rss_report(rss, elapsed, rss_after_drain),
-        "drained": drained, "drain_s": round(drain_s, 2), "drain_error": drain_error,
-        "final_gauges": {"tinyloop_requests_running": after.get("tinyloop_requests_running"),
-                         "tinyloop_requests_waiting": after.get("tinyloop_requests_waiting"),
-                         "tinyloop_kv_cache_bytes": after.get("tinyloop_kv_cache_bytes")},
-        "reference": {"requests": len(specs), "crosschecks": crosschecks,
-                      "crosscheck_mismatches": len(crosscheck_wrong), "seconds": round(reference_s, 2),
-                      "errors": reference_errors},
+        "drained": drained,
+        "drain_s": round(drain_s, 2),
+        "drain_error": drain_error,
+        "final_gauges": {
+            "tinyloop_requests_running": after.get("tinyloop_requests_running"),
+            "tinyloop_requests_waiting": after.get("tinyloop_requests_waiting"),
+            "tinyloop_kv_cache_bytes": after.get("tinyloop_kv_cache_bytes"),
+        },
+        "reference": {
+            "requests": len(specs),
+            "crosschecks": crosschecks,
+            "crosscheck_mismatches": len(crosscheck_wrong),
+            "seconds": round(reference_s, 2),
+            "errors": reference_errors,
+        },
     }
 
 
@@ -648,6 +787,8 @@ def summary(report: dict) -> str:
         f"speculative references checked against plain generation, {r['reference']['crosscheck_mismatches']} differ",
     ]
     for k, v in r["by_type"].items():
-        lines.append(f"  {k:<20} {v['requests']:>6} requests {v['completed']:>6} completed  p50 {v['p50_s']} s  "
-                     f"p99 {v['p99_s']} s  max {v['max_s']} s")
+        lines.append(
+            f"  {k:<20} {v['requests']:>6} requests {v['completed']:>6} completed  p50 {v['p50_s']} s  "
+            f"p99 {v['p99_s']} s  max {v['max_s']} s"
+        )
     return "\n".join(lines)

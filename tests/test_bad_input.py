@@ -16,13 +16,37 @@ import pytest
 from serverutil import running_server
 
 # (path, the fields it needs, {numeric field: (low, high)}) — the documented ranges (docs/api.md).
-OPENAI = {"max_tokens": (1, 8192), "max_completion_tokens": (1, 8192), "temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
-          "n": (1, 8), "seed": (0, 2**64 - 1), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
-          "loops": (1, 64), "min_tokens": (0, 2)}
-LMSTUDIO = {**OPENAI, "draft_loops": (1, 32), "verify_loops": (1, 64), "draft_ahead": (1, 16), "K_branches": (1, 16),
-            "cache_window": (0, 1 << 20), "repetition_penalty": (0.5, 2.0)}
-NATIVE = {"max_tokens": (1, 8192), "loops": (1, 64), "temperature": (0.0, 2.0), "top_k": (0, 1000), "top_p": (0.0, 1.0),
-          "repetition_penalty": (0.5, 2.0), "sample_seed": (0, 2**64 - 1), "cache_window": (0, 1 << 20)}
+OPENAI = {
+    "max_tokens": (1, 8192),
+    "max_completion_tokens": (1, 8192),
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "n": (1, 8),
+    "seed": (0, 2**64 - 1),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "loops": (1, 64),
+    "min_tokens": (0, 2),
+}
+LMSTUDIO = {
+    **OPENAI,
+    "draft_loops": (1, 32),
+    "verify_loops": (1, 64),
+    "draft_ahead": (1, 16),
+    "K_branches": (1, 16),
+    "cache_window": (0, 1 << 20),
+    "repetition_penalty": (0.5, 2.0),
+}
+NATIVE = {
+    "max_tokens": (1, 8192),
+    "loops": (1, 64),
+    "temperature": (0.0, 2.0),
+    "top_k": (0, 1000),
+    "top_p": (0.0, 1.0),
+    "repetition_penalty": (0.5, 2.0),
+    "sample_seed": (0, 2**64 - 1),
+    "cache_window": (0, 1 << 20),
+}
 SPECULATIVE = {**NATIVE, "draft_loops": (1, 32), "verify_loops": (2, 64), "draft_ahead": (1, 16)}  # drafts at >= 1 loop
 ENDPOINTS = [
     ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2}, OPENAI),
@@ -32,8 +56,21 @@ ENDPOINTS = [
     ("/generate/speculative", {"prompt": "x", "max_tokens": 2}, SPECULATIVE),
     ("/generate/tree_speculative", {"prompt": "x", "max_tokens": 2}, {**SPECULATIVE, "K_branches": (1, 16)}),
 ]
-INT_FIELDS = {"max_tokens", "max_completion_tokens", "n", "seed", "loops", "min_tokens", "draft_loops", "verify_loops",
-              "draft_ahead", "K_branches", "cache_window", "top_k", "sample_seed"}
+INT_FIELDS = {
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "loops",
+    "min_tokens",
+    "draft_loops",
+    "verify_loops",
+    "draft_ahead",
+    "K_branches",
+    "cache_window",
+    "top_k",
+    "sample_seed",
+}
 CASES = [(path, base, field, lo, hi) for path, base, fields in ENDPOINTS for field, (lo, hi) in fields.items()]
 
 
@@ -46,8 +83,9 @@ def server(tiny):
 def post(server: str, path: str, body: dict | bytes | str, **headers: str) -> httpx.Response:
     if isinstance(body, dict):
         body = json.dumps(body)  # Python's json writes NaN and Infinity as the bare words a careless client sends
-    return httpx.post(f"{server}{path}", content=body, headers={"content-type": "application/json", **headers},
-                      timeout=60)
+    return httpx.post(
+        f"{server}{path}", content=body, headers={"content-type": "application/json", **headers}, timeout=60
+    )
 
 
 def assert_error(r: httpx.Response, statuses: tuple[int, ...], names: str | None = None) -> dict:
@@ -83,7 +121,11 @@ def test_numeric_fields_refuse_other_types(server, path, base, field, lo, hi):
     if field in INT_FIELDS:
         wrong += [1.5, 8.0, 2**64, 2**70, -(2**63) - 1]
     for value in wrong:
-        if value is None and field in {"max_tokens", "max_completion_tokens", "seed", "loops"} and "generate" not in path:
+        if (
+            value is None
+            and field in {"max_tokens", "max_completion_tokens", "seed", "loops"}
+            and "generate" not in path
+        ):
             continue  # null means "the default" for these OpenAI fields
         r = post(server, path, {**base, field: value})
         assert_error(r, (400, 422), field)
@@ -92,7 +134,11 @@ def test_numeric_fields_refuse_other_types(server, path, base, field, lo, hi):
 @pytest.mark.parametrize("path", ["/v1/completions", "/api/v0/completions", "/generate"])
 @pytest.mark.parametrize("bad", [-1, -(2**31), 50257, 2**32, 2**64])
 def test_prompt_token_ids_outside_the_vocabulary(server, path, bad):
-    body = {"model": "m", "prompt": [1, bad, 2], "max_tokens": 2} if path != "/generate" else {"prompt": [1, bad], "max_tokens": 2}
+    body = (
+        {"model": "m", "prompt": [1, bad, 2], "max_tokens": 2}
+        if path != "/generate"
+        else {"prompt": [1, bad], "max_tokens": 2}
+    )
     err = assert_error(post(server, path, body), (400,), "prompt")
     assert str(bad) in err["message"]
 
@@ -102,20 +148,23 @@ def test_native_stop_token_ids_outside_the_vocabulary(server):
         assert_error(post(server, "/generate", {"prompt": "x", "stop": ["a", bad]}), (400,), "stop")
 
 
-@pytest.mark.parametrize("body,status,code", [
-    (b'{"model": "m", "prompt": "x"', 400, "invalid_json"),
-    (b'{"model": "m", "prompt": "x",}', 400, "invalid_json"),
-    (b"", 422, None),
-    (b"[]", 422, None),
-    (b'"just a string"', 422, None),
-    (b'{"model": "m", "prompt": "\xff\xfe"}', 400, "invalid_body"),
-    (b'{"model": "m", "prompt": "\xed\xa0\x80"}', 400, "invalid_body"),  # a surrogate in UTF-8 bytes
-    (b'{"model": "m", "prompt": "a\\ud800b"}', 400, "invalid_json"),  # a lone surrogate as an escape
-    (b'{"model": "m", "prompt": ["ok", "\\udfff"]}', 400, "invalid_json"),
-    (b'{"model": "m", "prompt": "nul\x00byte"}', 400, "invalid_json"),  # raw control characters are not JSON
-    (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
-    (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "invalid_json"),
-])
+@pytest.mark.parametrize(
+    "body,status,code",
+    [
+        (b'{"model": "m", "prompt": "x"', 400, "invalid_json"),
+        (b'{"model": "m", "prompt": "x",}', 400, "invalid_json"),
+        (b"", 422, None),
+        (b"[]", 422, None),
+        (b'"just a string"', 422, None),
+        (b'{"model": "m", "prompt": "\xff\xfe"}', 400, "invalid_body"),
+        (b'{"model": "m", "prompt": "\xed\xa0\x80"}', 400, "invalid_body"),  # a surrogate in UTF-8 bytes
+        (b'{"model": "m", "prompt": "a\\ud800b"}', 400, "invalid_json"),  # a lone surrogate as an escape
+        (b'{"model": "m", "prompt": ["ok", "\\udfff"]}', 400, "invalid_json"),
+        (b'{"model": "m", "prompt": "nul\x00byte"}', 400, "invalid_json"),  # raw control characters are not JSON
+        (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
+        (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "invalid_json"),
+    ],
+)
 def test_bodies_that_are_not_valid_requests(server, body, status, code):
     err = assert_error(post(server, "/v1/completions", body), (status,))
     if code is not None:
@@ -128,11 +177,19 @@ def test_escaped_nul_and_surrogate_pairs_are_text(server):
 
 
 def test_wrong_content_type_is_415(server):
-    r = httpx.post(f"{server}/v1/completions", content=b"model=m&prompt=x",
-                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=10)
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=b"model=m&prompt=x",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+        timeout=10,
+    )
     assert "application/x-www-form-urlencoded" in assert_error(r, (415,))["message"]
-    r = httpx.post(f"{server}/v1/completions", content=json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}),
-                   headers={"content-type": "application/json; charset=utf-8"}, timeout=10)
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}),
+        headers={"content-type": "application/json; charset=utf-8"},
+        timeout=10,
+    )
     assert r.status_code == 200
 
 
@@ -147,8 +204,9 @@ def test_oversized_body_is_413(tiny):
                 yield b"y" * 100
             yield b'"}'
 
-        r = httpx.post(f"{base}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
-                       timeout=10)
+        r = httpx.post(
+            f"{base}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=10
+        )
         assert_error(r, (413,))
         ok = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
         assert ok.status_code == 200
@@ -164,13 +222,18 @@ def test_unknown_routes_and_wrong_methods(server):
 
 
 def test_strict_types_reach_every_nested_field(server):
-    cases = [({"messages": [{"role": "user", "content": 5}]}, "messages"),
-             ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
-             ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages"),
-             ({"messages": "hello"}, "messages"),
-             ({"stream": "true"}, "stream"), ({"stream": 1}, "stream"),
-             ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
-             ({"stop": 5}, "stop"), ({"stop": ["a", 5]}, "stop"), ({"model": 5}, "model")]
+    cases = [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"stream": "true"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 5]}, "stop"),
+        ({"model": 5}, "model"),
+    ]
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     for change, name in cases:
         assert_error(post(server, "/v1/chat/completions", {**base, **change}), (422,), name)

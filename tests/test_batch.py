@@ -8,13 +8,15 @@ import random
 import pytest
 
 import tinyloop
+from conftest import TINY
 from tinyloop import SamplingParams
 
-from conftest import TINY
-
-
-SPECULATIVE = {4: {"loops": 5, "draft": (2, 3)}, 5: {"loops": 5, "draft": (1, 4)},
-               8: {"loops": 5, "draft": (3, 2), "cache_window": 6}, 9: {"loops": 3, "draft": (1, 2), "k_branches": 2}}
+SPECULATIVE = {
+    4: {"loops": 5, "draft": (2, 3)},
+    5: {"loops": 5, "draft": (1, 4)},
+    8: {"loops": 5, "draft": (3, 2), "cache_window": 6},
+    9: {"loops": 3, "draft": (1, 2), "k_branches": 2},
+}
 
 
 def _requests(seed: int) -> list[dict]:
@@ -23,8 +25,13 @@ def _requests(seed: int) -> list[dict]:
     for i in range(10):
         prompt = [rng.randrange(50257) for _ in range(rng.randint(1, 60))]
         sampled = i % 3 == 1
-        params = SamplingParams(temperature=0.9 if sampled else 0.0, top_p=0.9, seed=100 + i,
-                                max_tokens=rng.randint(3, 24), ignore_eos=i % 2 == 0)
+        params = SamplingParams(
+            temperature=0.9 if sampled else 0.0,
+            top_p=0.9,
+            seed=100 + i,
+            max_tokens=rng.randint(3, 24),
+            ignore_eos=i % 2 == 0,
+        )
         kw: dict = {"loops": 5 if i == 2 else rng.choice([1, 2, 3, 5])}
         # Speculative rounds share their passes with the plain streams of their verify depth (5): drafts at
         # different depths, sampled and greedy; a tree round runs on its own between batched steps.
@@ -53,7 +60,7 @@ def _batched(engine, reqs, join_every: int):
             r = reqs[len(streams)]
             streams.append(engine.stream(r["prompt"], r["params"], **r["kw"]))
         live = [(i, s) for i, s in enumerate(streams) if s is not None]
-        for (i, s), ev in zip(live, engine.step_many([s for _, s in live])):
+        for (i, s), ev in zip(live, engine.step_many([s for _, s in live]), strict=True):
             assert not isinstance(ev, BaseException), ev
             if ev.token_id >= 0:
                 tokens[i].append(ev.token_id)
@@ -61,7 +68,7 @@ def _batched(engine, reqs, join_every: int):
                 stats[i] = s.draft_stats
                 streams[i] = None
         step += 1
-    return list(zip(tokens, stats))
+    return list(zip(tokens, stats, strict=True))
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0"])
@@ -92,23 +99,31 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
     import asyncio
 
     from tinyloop.errors import APIError
-    from tinyloop.server import serving
     from tinyloop.server.metrics import Metrics
+    from tinyloop.server.openai import completion_plan
     from tinyloop.server.protocol import CompletionRequest
+    from tinyloop.server.request import RunningRequest
     from tinyloop.server.runner import EngineRunner
+    from tinyloop.server.state import ServerState
 
     async def main():
         runner = EngineRunner(tiny_engine, Metrics(), max_running=0, max_waiting=2)
-        state = serving.ServerState(tiny_engine, runner, "m", None, "fp16", None)
-        held = serving.start_completion(state, CompletionRequest(model="m", prompt="x", max_tokens=3, n=2))
+        state = ServerState(tiny_engine, runner, "m", None, "fp16", None)
+
+        async def start(prompt: str, n: int = 1) -> RunningRequest:
+            return RunningRequest(
+                state, await completion_plan(state, CompletionRequest(model="m", prompt=prompt, max_tokens=3, n=n))
+            )
+
+        held = await start("x", n=2)
         with pytest.raises(APIError) as e:
-            serving.start_completion(state, CompletionRequest(model="m", prompt="y", max_tokens=3))
+            await start("y")
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
         assert e.value.body()["error"]["code"] == "server_overloaded" and "2 waiting" in e.value.message
         assert runner.metrics.requests_waiting._value.get() == 2
         # Waiting requests whose client went away free their places.
         held.cancel()
-        again = serving.start_completion(state, CompletionRequest(model="m", prompt="z", max_tokens=3))
+        again = await start("z")
         assert len(again.choices) == 1
         again.cancel()
 

@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from serverutil import running_server
+from tinyloop import SamplingParams
 
 LOAD = 3  # long streams that keep the engine busy throughout
 LONG = {"max_tokens": 8000, "loops": 16}
@@ -36,8 +35,9 @@ def wait_for(base: str, what: str, cond, seconds: float = 30.0) -> dict:
         m = metrics(base)
         if cond(m):
             return m
-        assert time.time() < deadline, f"{what}: {m['tinyloop_requests_running']} running, " \
-                                       f"{m['tinyloop_requests_waiting']} waiting"
+        assert time.time() < deadline, (
+            f"{what}: {m['tinyloop_requests_running']} running, {m['tinyloop_requests_waiting']} waiting"
+        )
         time.sleep(0.01)
 
 
@@ -45,8 +45,11 @@ def open_request(base: str, path: str, body: dict) -> socket.socket:
     host, port = base.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)), timeout=30)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -95,13 +98,24 @@ def test_200_disconnects_at_random_points_under_load(server, tiny_long):
                 s = open_request(server, "/generate", {"prompt": prompt, **LONG, "max_tokens": 6000})
                 wait_for(server, "prefill running", running(LOAD + 1))
             elif kind == "stream":
-                s = open_request(server, "/v1/chat/completions", {"model": "m", "stream": True, "temperature": 0.8,
-                                                                  "messages": [{"role": "user", "content": "hi"}],
-                                                                  **LONG})
+                s = open_request(
+                    server,
+                    "/v1/chat/completions",
+                    {
+                        "model": "m",
+                        "stream": True,
+                        "temperature": 0.8,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        **LONG,
+                    },
+                )
                 read_events(s, rng.randrange(1, 20))
             elif kind == "speculative":
-                s = open_request(server, "/generate/speculative", {"prompt": "spec", "stream": True, "draft_loops": 2,
-                                                                   "verify_loops": 16, "max_tokens": 8000})
+                s = open_request(
+                    server,
+                    "/generate/speculative",
+                    {"prompt": "spec", "stream": True, "draft_loops": 2, "verify_loops": 16, "max_tokens": 8000},
+                )
                 read_events(s, rng.randrange(1, 20))
             else:  # non-streamed: nothing is answered until the whole generation is done
                 s = open_request(server, "/generate", {"prompt": "whole", **LONG})
@@ -111,8 +125,10 @@ def test_200_disconnects_at_random_points_under_load(server, tiny_long):
         wait_for(server, f"trial {trial} ({kind}) still running", running(LOAD))
     end = metrics(server)
     assert end["tinyloop_client_disconnects_total"] - start["tinyloop_client_disconnects_total"] == closes
-    steps = {k: end["tinyloop_cancel_steps_bucket"][k] - start["tinyloop_cancel_steps_bucket"].get(k, 0.0)
-             for k in end["tinyloop_cancel_steps_bucket"]}
+    steps = {
+        k: end["tinyloop_cancel_steps_bucket"][k] - start["tinyloop_cancel_steps_bucket"].get(k, 0.0)
+        for k in end["tinyloop_cancel_steps_bucket"]
+    }
     # Every close reached the engine, which dropped the request within 2 steps (a waiting one at once: 0 steps).
     assert steps["+Inf"] == closes and steps["2.0"] == closes and steps["0.0"] >= 200 // len(kinds), steps
     for s in load:

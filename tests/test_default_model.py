@@ -91,7 +91,7 @@ def test_batched_steps_equal_solo_generation_on_the_default_model(tmp_path):
         got: list[list[int]] = [[] for _ in prompts]
         while any(s is not None for s in streams):
             live = [(i, s) for i, s in enumerate(streams) if s is not None]
-            for (i, s), ev in zip(live, engine.step_many([s for _, s in live])):
+            for (i, _s), ev in zip(live, engine.step_many([s for _, s in live]), strict=True):
                 if ev.token_id >= 0:
                     got[i].append(ev.token_id)
                 if ev.finish_reason is not None:

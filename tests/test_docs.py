@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -18,7 +19,7 @@ BLOCK = re.compile(r"```(\w*)\n(.*?)```", re.S)
 def examples() -> list[tuple[str, str, str]]:
     blocks = BLOCK.findall(DOC.read_text())
     out = []
-    for (lang, body), (next_lang, expected) in zip(blocks, blocks[1:]):
+    for (lang, body), (next_lang, expected) in itertools.pairwise(blocks):
         if lang == "bash" and body.lstrip().startswith("curl"):
             out.append((body, next_lang, expected))
     return out
@@ -58,7 +59,7 @@ def test_curl_example(server, idx):
     else:  # an SSE stream
         events = [e for e in text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
-        first = json.loads(events[0][len("data: "):])
-        doc_first = json.loads(expected.split("\n\n")[0][len("data: "):])
+        first = json.loads(events[0][len("data: ") :])
+        doc_first = json.loads(expected.split("\n\n")[0][len("data: ") :])
         same_keys(first, doc_first)
         assert first["choices"][0]["delta"] == {"role": "assistant"}

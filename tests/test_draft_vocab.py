@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 import tinyloop
+from conftest import TINY
+from test_batch import SPECULATIVE, _alone, _batched, _requests
+from test_speculative import homogeneity, outcomes, prompts
 from tinyloop import SamplingParams
 from tinyloop.modelfile.draft_vocab import KEY, count_tokens, coverage, top_tokens, write_with_draft_vocab
 from tinyloop.modelfile.format import V, read_gguf, write_gguf
 from tinyloop.modelfile.vocab import tiktoken_gpt2
-
-from conftest import TINY
-from test_batch import SPECULATIVE, _alone, _batched, _requests
-from test_speculative import homogeneity, outcomes, prompts
 
 SAMPLE = Path(__file__).parent / "data" / "heldout_sample.txt"
 
@@ -64,8 +63,15 @@ def test_rewrite_keeps_every_tensor_bit_for_bit(model_factory, tmp_path, weight_
         with_vocab(src, tmp_path, [50257], name="bad.tinyloop")
 
 
-@pytest.mark.parametrize("ids, item, message", [([5, 60000], V.UINT32, "outside"), ([5, 5], V.UINT32, "twice"),
-                                                 ([-1], V.INT32, "outside"), (["a"], V.STRING, "integers")])
+@pytest.mark.parametrize(
+    "ids, item, message",
+    [
+        ([5, 60000], V.UINT32, "outside"),
+        ([5, 5], V.UINT32, "twice"),
+        ([-1], V.INT32, "outside"),
+        (["a"], V.STRING, "integers"),
+    ],
+)
 def test_bad_lists_are_load_errors(tiny, tmp_path, ids, item, message):
     c = read_gguf(tiny.path, raw=True)
     c.metadata[KEY] = (ids, V.ARRAY, item)
@@ -157,12 +163,27 @@ def test_cli(tiny, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat\n<|endoftext|>\nthe dog sat", encoding="utf-8")
     out = tmp_path / "cli.tinyloop"
-    r = subprocess.run([sys.executable, "-m", "tinyloop", "draft-vocab", str(tiny.path), str(out), "--corpus",
-                        str(corpus), "--size", "4"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tinyloop",
+            "draft-vocab",
+            str(tiny.path),
+            str(out),
+            "--corpus",
+            str(corpus),
+            "--size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     # " sat" and "the"/" the" are the most frequent; the end-of-text token is always listed.
     enc = tiktoken_gpt2()
     counts = Counter(enc.encode_ordinary("the cat sat on the mat") + enc.encode_ordinary("the dog sat"))
     top3 = [t for t, _ in sorted(counts.items(), key=lambda e: (-e[1], e[0]))[:3]]
-    assert list(read_gguf(out, raw=True).metadata[KEY][0]) == sorted(top3 + [50256])
+    assert list(read_gguf(out, raw=True).metadata[KEY][0]) == sorted([*top3, 50256])
     share = sum(counts[t] for t in top3) / sum(counts.values())
     assert f"4 draft tokens, covering {share:.1%}" in r.stdout

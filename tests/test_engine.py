@@ -8,9 +8,8 @@ import time
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from conftest import TINY
+from tinyloop import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -49,7 +48,10 @@ def test_greedy_equals_argmax_of_the_forward_pass(tiny_engine):
 
 
 def test_loops_change_the_output(tiny_engine):
-    outs = {tuple(tiny_engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), loops=n).tokens) for n in (1, 2, 5)}
+    outs = {
+        tuple(tiny_engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), loops=n).tokens)
+        for n in (1, 2, 5)
+    }
     assert len(outs) > 1
 
 
@@ -77,15 +79,16 @@ def test_stop_tokens_and_eos(tiny_engine):
     assert out.finish_reason == "stop"
     assert out.tokens == free.tokens[:first]  # the stop token itself is not output
     # min_tokens holds the stop back: output then runs past it.
-    held = tiny_engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 1, stop_token_ids=[stop_at]))
+    held = tiny_engine.generate(
+        [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 1, stop_token_ids=[stop_at])
+    )
     assert len(held.tokens) > first
 
 
 def test_eos_ends_generation(tmp_path):
     """A model rigged to prefer EOS: residual dim 0 is a large constant no layer writes to, and only EOS reads it."""
-    from tinyloop.modelfile.format import random_weights, write_model
-
     from conftest import TINY_NOPRE
+    from tinyloop.modelfile.format import random_weights, write_model
 
     cfg = TINY_NOPRE
     w = random_weights(cfg, seed=5)

@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from serverutil import server_process
+from tinyloop import SamplingParams
 
 POISON = [11, 22, 33]  # the prompt whose generation fails at its third step
 
@@ -56,7 +55,7 @@ class FailingEngine:
 def sse(raw: bytes) -> list:
     parts = raw.decode().split("\n\n")
     assert parts[-2:] == ["data: [DONE]", ""], raw[-200:]
-    return [json.loads(p[len("data: "):]) for p in parts[:-2]]
+    return [json.loads(p[len("data: ") :]) for p in parts[:-2]]
 
 
 @pytest.mark.parametrize("how", ["slot", "batch"])
@@ -74,12 +73,23 @@ def test_an_engine_error_ends_only_its_own_request(tiny, tiny_engine, how):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
             calls = [c.post("/generate", json={"prompt": p, "max_tokens": 12}) for p in others]
-            calls += [c.post("/generate", json={"prompt": POISON, "max_tokens": 12}),
-                      c.post("/generate", json={"prompt": POISON, "max_tokens": 12, "stream": True}),
-                      c.post("/v1/completions", json={"model": "m", "prompt": POISON, "max_tokens": 12,
-                                                      "temperature": 0, "stream": True}),
-                      c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 12, "temperature": 0,
-                                                           "messages": [{"role": "user", "content": "x"}]})]
+            calls += [
+                c.post("/generate", json={"prompt": POISON, "max_tokens": 12}),
+                c.post("/generate", json={"prompt": POISON, "max_tokens": 12, "stream": True}),
+                c.post(
+                    "/v1/completions",
+                    json={"model": "m", "prompt": POISON, "max_tokens": 12, "temperature": 0, "stream": True},
+                ),
+                c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "max_tokens": 12,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": "x"}],
+                    },
+                ),
+            ]
             return await asyncio.gather(*calls)
 
     *plain, failed, native, completion, chat = asyncio.run(main())
@@ -112,10 +122,14 @@ def test_sigterm_ends_every_request_in_flight_and_exits_cleanly(tiny_long):
             except httpx.HTTPError as e:
                 results[name] = e
 
-        calls = {"chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                   "stream": True, **long}),
-                 "native": ("/generate", {"prompt": "y", "stream": True, **long}),
-                 "plain": ("/v1/completions", {"model": "m", "prompt": "z", **long})}
+        calls = {
+            "chat": (
+                "/v1/chat/completions",
+                {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, **long},
+            ),
+            "native": ("/generate", {"prompt": "y", "stream": True, **long}),
+            "plain": ("/v1/completions", {"model": "m", "prompt": "z", **long}),
+        }
         threads = [threading.Thread(target=call, args=(n, *c)) for n, c in calls.items()]
         for t in threads:
             t.start()

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.modelfile.format import GGUFContents, model_contents, random_weights, write_gguf
-
 from conftest import TINY
+from tinyloop.modelfile.format import GGUFContents, model_contents, random_weights, write_gguf
 
 SMALL = dataclasses.replace(TINY, prelude_count=0, name="small")
 
@@ -93,7 +92,9 @@ def test_wrong_architecture(tmp_path, contents):
     assert 'general.architecture: is "llama"' in load_error(tmp_path, c)
 
 
-@pytest.mark.parametrize("key", ["tinyloop.block_count", "tinyloop.loops.default", "tokenizer.ggml.merges", "general.file_type"])
+@pytest.mark.parametrize(
+    "key", ["tinyloop.block_count", "tinyloop.loops.default", "tokenizer.ggml.merges", "general.file_type"]
+)
 def test_missing_key(tmp_path, contents, key):
     c = copy(contents)
     del c.metadata[key]

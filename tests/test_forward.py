@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import tinyloop
-from tinyloop.modelfile.format import dequantized
-
 from conftest import TINY, TINY_NOPRE
 from reference import forward as ref_forward
+from tinyloop.modelfile.format import dequantized
 
 PROMPT = [464, 3139, 286, 4881, 318, 6342, 13, 198, 50256, 1, 40000, 262, 262, 262]
 
@@ -127,9 +126,11 @@ def test_score_reads_every_depth_in_one_pass(tiny):
     depths = [1, 3, 5]
     scored = engine.score(PROMPT, depths)
     assert len(scored) == 3
-    for d, (logp, argmax) in zip(depths, scored):
+    for d, (logp, argmax) in zip(depths, scored, strict=True):
         want = ref_forward(tiny.cfg, tiny.weights, PROMPT, d)[:-1]
-        want_logp = want - np.log(np.exp(want - want.max(1, keepdims=True)).sum(1, keepdims=True)) - want.max(1, keepdims=True)
+        want_logp = (
+            want - np.log(np.exp(want - want.max(1, keepdims=True)).sum(1, keepdims=True)) - want.max(1, keepdims=True)
+        )
         np.testing.assert_allclose(logp, want_logp[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=1e-3)
         assert argmax == list(want.argmax(1))
     with pytest.raises(tinyloop.InvalidRequestError, match="ascending"):
@@ -206,5 +207,3 @@ def test_cache_window_compaction_is_exact_in_every_mode(tiny, mode):
 def test_unknown_kv_mode_is_rejected(tiny):
     with pytest.raises(tinyloop.InvalidRequestError, match="int4-h"):
         tinyloop.Engine(tiny.path, kv_cache_mode="int3")
-
-

@@ -17,9 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop
-from tinyloop.modelfile.vocab import EOT_ID, EOT_TOKEN
-
 from fuzz_files import Case, Seed, Worker, edge_values, mutations, problem, random_files, seed_configs, write_seeds
+from tinyloop.modelfile.vocab import EOT_ID, EOT_TOKEN
 
 # A load takes a millisecond or two; a deadline far above that flags a slow path without flaking on a busy machine.
 FUZZ = settings(deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
@@ -100,8 +99,10 @@ def declaring_huge_model(seed: Seed) -> bytes:
     """The seed re-declared at dim 65,536 and ffn 2^18, every tensor's shape to match: tens of GB of weights
     declared in a file of 30 KB."""
     cfg = dataclasses.replace(seed_configs()[seed.name][0], dim=1 << 16, ffn_dim=1 << 18)
-    changes = {value_offset(seed, "tinyloop.embedding_length"): cfg.dim,
-               value_offset(seed, "tinyloop.feed_forward_length"): cfg.ffn_dim}
+    changes = {
+        value_offset(seed, "tinyloop.embedding_length"): cfg.dim,
+        value_offset(seed, "tinyloop.feed_forward_length"): cfg.ffn_dim,
+    }
     for name, shape in cfg.tensor_shapes().items():
         for i, d in enumerate(reversed(shape)):  # GGUF stores the dimensions innermost first
             changes[value_offset(seed, name, "dim", i)] = d
@@ -147,22 +148,26 @@ def test_a_large_array_costs_memory_in_proportion(worker, seeds):
     assert result["outcome"] == "loaded" and result["rss_growth_mib"] < 16, result
 
 
-@pytest.mark.parametrize("specials,reason", [
-    # An empty control token matched everywhere without advancing: encode(..., allow_special=True) never returned.
-    ([""], "control token 321 is empty"),
-    (["<a>", "<b>", "<a>"], "control tokens 321 and 323 are both"),
-    # Control tokens become one regex: 20,000 of them took 68 MB to compile from a 0.8 MB file.
-    ([f"<|{i}|>" for i in range(20_000)], "more than 1024 control tokens"),
-], ids=["empty", "duplicate", "20000"])
+@pytest.mark.parametrize(
+    "specials,reason",
+    [
+        # An empty control token matched everywhere without advancing: encode(..., allow_special=True) never returned.
+        ([""], "control token 321 is empty"),
+        (["<a>", "<b>", "<a>"], "control tokens 321 and 323 are both"),
+        # Control tokens become one regex: 20,000 of them took 68 MB to compile from a 0.8 MB file.
+        ([f"<|{i}|>" for i in range(20_000)], "more than 1024 control tokens"),
+    ],
+    ids=["empty", "duplicate", "20000"],
+)
 def test_control_tokens_that_cannot_work_are_refused(tmp_path, worker, specials, reason):
+    from fuzz_files import small_vocab
     from tinyloop.modelfile.format import random_weights, write_model
     from tinyloop.modelfile.vocab import Vocabulary
 
-    from fuzz_files import small_vocab
-
     v = small_vocab()
-    vocab = Vocabulary(v.tokens + specials, v.token_types + [3] * len(specials), v.merges, v.eos_token_id,
-                       v.bos_token_id)
+    vocab = Vocabulary(
+        v.tokens + specials, v.token_types + [3] * len(specials), v.merges, v.eos_token_id, v.bos_token_id
+    )
     cfg = dataclasses.replace(seed_configs()["quant"][0], vocab_size=len(vocab))
     path = tmp_path / "controls.tinyloop"
     write_model(path, cfg, random_weights(cfg), "Q4_0", vocab=vocab)
@@ -174,8 +179,9 @@ def test_control_tokens_that_cannot_work_are_refused(tmp_path, worker, specials,
 # --- the tokenizer, through the Python API ----------------------------------------------------------------------------
 
 TEXT = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=200)  # any scalar value, NUL included
-WITH_SPECIALS = st.lists(st.one_of(TEXT, st.sampled_from([EOT_TOKEN, "<|endoftext", "|>", "<|", "\0"])),
-                         max_size=6).map("".join)
+WITH_SPECIALS = st.lists(
+    st.one_of(TEXT, st.sampled_from([EOT_TOKEN, "<|endoftext", "|>", "<|", "\0"])), max_size=6
+).map("".join)
 
 
 def assert_round_trip(engine, text: str, allow_special: bool) -> None:

@@ -1,5 +1,6 @@
-"""The weight quantizer: block grids (tinyloop.modelfile.quants), GPTQ (tinyloop.modelfile.gptq), the calibration forward
-(tinyloop.modelfile.calibrate) and `tinyloop quantize` end to end, checked against gguf.quants and tests/reference.py."""
+"""The weight quantizer: block grids (tinyloop.modelfile.quants), GPTQ (tinyloop.modelfile.gptq), the calibration
+forward (tinyloop.modelfile.calibrate) and `tinyloop quantize` end to end, checked against gguf.quants and
+tests/reference.py."""
 
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ import gguf
 import numpy as np
 import pytest
 
+import reference
 import tinyloop
-from tinyloop.modelfile import calibrate
+from conftest import TINY, TINY_NOPRE
 from tinyloop.__main__ import main
+from tinyloop.modelfile import calibrate
 from tinyloop.modelfile.format import ModelConfig, encoded, model_config, random_weights, read_gguf, write_model
 from tinyloop.modelfile.gptq import gptq
 from tinyloop.modelfile.quantize import CALIB_TEXT
 from tinyloop.modelfile.quants import rtn
 from tinyloop.modelfile.vocab import EOT_TOKEN, Vocabulary, gpt2_vocabulary
-
-import reference
-from conftest import TINY, TINY_NOPRE
 
 Q = gguf.GGMLQuantizationType
 N_VOCAB = 1024  # a GPT-2 prefix vocabulary keeps the end-to-end files small and fast to read
@@ -156,12 +156,27 @@ def test_hessians_sum_every_loop():
 
 def small_vocab(n: int = N_VOCAB) -> Vocabulary:
     v = gpt2_vocabulary()  # ranks 0..255 are the bytes, merge i makes rank 256 + i
-    return Vocabulary(v.tokens[: n - 1] + [EOT_TOKEN], v.token_types[: n - 1] + [3], v.merges[: n - 257],
-                      eos_token_id=n - 1, bos_token_id=n - 1)
+    return Vocabulary(
+        [*v.tokens[: n - 1], EOT_TOKEN],
+        [*v.token_types[: n - 1], 3],
+        v.merges[: n - 257],
+        eos_token_id=n - 1,
+        bos_token_id=n - 1,
+    )
 
 
-E2E = ModelConfig(dim=256, n_heads=4, n_kv_heads=2, ffn_dim=256, block_count=1, prelude_count=1, default_loops=3,
-                  context_length=128, vocab_size=N_VOCAB, name="quant-e2e")
+E2E = ModelConfig(
+    dim=256,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=256,
+    block_count=1,
+    prelude_count=1,
+    default_loops=3,
+    context_length=128,
+    vocab_size=N_VOCAB,
+    name="quant-e2e",
+)
 GPTQ_ARGS = ["--method", "gptq", "--calib-windows", "2", "--calib-window", "48", "--quiet"]
 
 
@@ -227,8 +242,9 @@ def test_cli_end_to_end(e2e_model, tmp_path, monkeypatch, case):
     assert got.metadata.pop("general.file_type")[0] == file_type
     src.metadata.pop("general.file_type")
     assert got.metadata == src.metadata  # every other key, tokenizer included, unchanged
-    assert {n: t for n, (_, t) in got.tensors.items()} == {n: "F32" if a.ndim == 1 else ttype
-                                                          for n, (a, _) in src.tensors.items()}
+    assert {n: t for n, (_, t) in got.tensors.items()} == {
+        n: "F32" if a.ndim == 1 else ttype for n, (a, _) in src.tensors.items()
+    }
     assert tinyloop.Engine(out).info.quant == {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int2"}[ttype]
     stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(out).tensors}
     originals = {n: a for n, (a, _) in src.tensors.items()}

@@ -10,34 +10,62 @@ import httpx
 import pytest
 
 import tinyloop
+from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server import cli
 
-from serverutil import running_server
-
-GUARDED = [("GET", "/metrics"), ("GET", "/metrics/json"), ("GET", "/openapi.json"), ("GET", "/docs"),
-           ("GET", "/v1/models"), ("GET", "/api/v0/models"), ("POST", "/v1/completions"), ("POST", "/generate"),
-           ("GET", "/no/such/route")]
+GUARDED = [
+    ("GET", "/metrics"),
+    ("GET", "/metrics/json"),
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("GET", "/v1/models"),
+    ("GET", "/api/v0/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/generate"),
+    ("GET", "/no/such/route"),
+]
 
 
 def test_several_keys_from_flags_and_a_file_guard_every_route_but_health(tiny, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nfile-key-1\n\n  file-key-2  \n")
-    with running_server(tiny.path, "--api-key", "flag-a", "--api-key", "flag-b", "--api-key-file", str(keys),
-                        env={"TINYLOOP_API_KEY": "env-key"}) as base:
+    with running_server(
+        tiny.path,
+        "--api-key",
+        "flag-a",
+        "--api-key",
+        "flag-b",
+        "--api-key-file",
+        str(keys),
+        env={"TINYLOOP_API_KEY": "env-key"},
+    ) as base:
         assert httpx.get(f"{base}/health").json() == {"status": "ok"}
         for method, path in GUARDED:
-            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Bearer flag-a-"},
-                            {"authorization": "flag-a"}, {"x-api-key": "nope"}):
+            for headers in (
+                {},
+                {"authorization": "Bearer wrong"},
+                {"authorization": "Bearer flag-a-"},
+                {"authorization": "flag-a"},
+                {"x-api-key": "nope"},
+            ):
                 r = httpx.request(method, f"{base}{path}", headers=headers, json={}, timeout=10)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
         # Flags win over the environment; each flag key, each file key, either header form.
         assert httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer env-key"}).status_code == 401
-        for headers in ({"authorization": "Bearer flag-a"}, {"authorization": "bearer flag-b"},
-                        {"authorization": "Bearer file-key-1"}, {"x-api-key": "file-key-2"}):
+        for headers in (
+            {"authorization": "Bearer flag-a"},
+            {"authorization": "bearer flag-b"},
+            {"authorization": "Bearer file-key-1"},
+            {"x-api-key": "file-key-2"},
+        ):
             assert httpx.get(f"{base}/openapi.json", headers=headers, timeout=10).status_code == 200
-        r = httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 2},
-                       headers={"authorization": "Bearer file-key-2"}, timeout=30)
+        r = httpx.post(
+            f"{base}/generate",
+            json={"prompt": "x", "max_tokens": 2},
+            headers={"authorization": "Bearer file-key-2"},
+            timeout=30,
+        )
         assert len(r.json()["tokens"]) == 2
 
 
@@ -62,9 +90,17 @@ class FakeGranian:
         pass
 
 
-@pytest.mark.parametrize("host,key,warns", [("127.0.0.1", None, False), ("::1", None, False),
-                                            ("localhost", None, False), ("0.0.0.0", None, True),
-                                            ("192.0.2.7", None, True), ("0.0.0.0", "k", False)])
+@pytest.mark.parametrize(
+    "host,key,warns",
+    [
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("localhost", None, False),
+        ("0.0.0.0", None, True),
+        ("192.0.2.7", None, True),
+        ("0.0.0.0", "k", False),
+    ],
+)
 def test_binding_beyond_loopback_without_a_key_warns(monkeypatch, caplog, own_environ, host, key, warns):
     import granian
 
@@ -83,8 +119,10 @@ def test_max_tokens_ceiling_and_wall_time_limit(tiny_long):
     with running_server(tiny_long.path, "--max-tokens-limit", "64", "--request-timeout", "0.5") as base:
         r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 65}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "64" in r.text
-        assert httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 65}).json()["error"]["param"] == \
-            "max_tokens"
+        assert (
+            httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 65}).json()["error"]["param"]
+            == "max_tokens"
+        )
     with running_server(tiny_long.path, "--request-timeout", "0.5") as base:
         r = httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 8000, "loops": 64}, timeout=30).json()
         assert r["finish_reason"] == "aborted" and 0 < len(r["tokens"]) < 8000
@@ -98,13 +136,34 @@ def test_batched_requests_never_see_each_others_tokens(tiny):
     """Sixteen concurrent streams, sampled with their own seeds and penalties, batched step by step: each one's
     tokens are exactly those of the same request run alone in a fresh engine."""
     engine = tinyloop.Engine(tiny.path)
-    bodies = [{"prompt": f"secret {i} " * (1 + i % 3), "max_tokens": 24, "temperature": 0.9, "sample_seed": 100 + i,
-               "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0 + 0.05 * (i % 4), "loops": 2 + i % 4}
-              for i in range(16)]
-    want = [engine.generate(b["prompt"], SamplingParams(temperature=b["temperature"], seed=b["sample_seed"],
-                                                        top_k=0, top_p=1.0, max_tokens=24,
-                                                        repetition_penalty=b["repetition_penalty"]),
-                            loops=b["loops"]).tokens for b in bodies]
+    bodies = [
+        {
+            "prompt": f"secret {i} " * (1 + i % 3),
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "sample_seed": 100 + i,
+            "top_k": 0,
+            "top_p": 1.0,
+            "repetition_penalty": 1.0 + 0.05 * (i % 4),
+            "loops": 2 + i % 4,
+        }
+        for i in range(16)
+    ]
+    want = [
+        engine.generate(
+            b["prompt"],
+            SamplingParams(
+                temperature=b["temperature"],
+                seed=b["sample_seed"],
+                top_k=0,
+                top_p=1.0,
+                max_tokens=24,
+                repetition_penalty=b["repetition_penalty"],
+            ),
+            loops=b["loops"],
+        ).tokens
+        for b in bodies
+    ]
     got: dict[int, list[int]] = {}
     with running_server(tiny.path) as base:
         barrier = threading.Barrier(len(bodies))

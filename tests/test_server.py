@@ -12,9 +12,8 @@ import openai
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from serverutil import running_server
+from tinyloop import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def sse_events(raw: bytes) -> list:
     assert raw.endswith(b"data: [DONE]\n\n")
     parts = raw.decode().split("\n\n")
     assert parts[-1] == "" and parts[-2] == "data: [DONE]"
-    return [json.loads(p[len("data: "):]) for p in parts[:-2]]
+    return [json.loads(p[len("data: ") :]) for p in parts[:-2]]
 
 
 def test_models(client):
@@ -52,7 +51,10 @@ def test_completion_matches_the_engine(client, tiny_engine):
     assert out.choices[0].text == want.text
     assert out.choices[0].finish_reason == want.finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
-        want.prompt_tokens, 16, want.prompt_tokens + 16)
+        want.prompt_tokens,
+        16,
+        want.prompt_tokens + 16,
+    )
 
 
 def test_chat_uses_the_documented_template(client, tiny_engine):
@@ -66,8 +68,14 @@ def test_chat_uses_the_documented_template(client, tiny_engine):
 
 
 def test_chat_stream_bytes(server, client):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0,
-            "stream": True, "stop": []}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stop": [],
+    }
     raw = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).content
     events = sse_events(raw)
     assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
@@ -90,8 +98,16 @@ def test_streamed_text_equals_non_streamed_and_never_splits_characters(client, s
 
 
 def test_stream_include_usage(client):
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -110,7 +126,9 @@ def test_exact_stop_strings(client, server):
     free = client.completions.create(model="m", prompt="Stop test", max_tokens=30, temperature=0).choices[0].text
     stop = free[10:14]
     assert len(stop) == 4 and stop in free
-    out = client.completions.create(model="m", prompt="Stop test", max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    out = client.completions.create(
+        model="m", prompt="Stop test", max_tokens=30, temperature=0, stop=[stop, "\x00never"]
+    )
     assert out.choices[0].text == free[: free.index(stop)] and out.choices[0].finish_reason == "stop"
     body = {"model": "m", "prompt": "Stop test", "max_tokens": 30, "temperature": 0, "stop": stop, "stream": True}
     events = sse_events(httpx.post(f"{server}/v1/completions", json=body, timeout=60).content)
@@ -132,9 +150,17 @@ def test_penalties_change_output(client):
     assert plain != penalised
 
 
-@pytest.mark.parametrize("field,value,param", [("temperature", 2.5, "temperature"), ("n", 9, "n"),
-                                               ("top_p", 1.5, "top_p"), ("max_tokens", 0, "max_tokens"),
-                                               ("presence_penalty", -3, "presence_penalty"), ("loops", 65, "loops")])
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("temperature", 2.5, "temperature"),
+        ("n", 9, "n"),
+        ("top_p", 1.5, "top_p"),
+        ("max_tokens", 0, "max_tokens"),
+        ("presence_penalty", -3, "presence_penalty"),
+        ("loops", 65, "loops"),
+    ],
+)
 def test_out_of_range_is_400(client, field, value, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="x", extra_body={field: value})
@@ -165,13 +191,30 @@ def test_api_v0_sections(server, tiny):
     assert (s["prompt_tokens"], s["completion_tokens"], s["mode"], s["loops_used"]) == (1, 8, "generate", 3)
     assert s["wall_ms"] > 0 and s["tokens_per_second"] > 0 and s["stop_reason"] == "maxPredictedTokensReached"
     assert 0 < s["time_to_first_token"] * 1000 <= s["wall_ms"]
-    assert r["model_info"] == {"arch": "weight-shared-looped-transformer", "dim": 64, "n_heads": 4, "ffn_dim": 96,
-                               "vocab_size": 50257, "default_loops": 3, "quant": "fp16", "kv_cache_mode": "fp16"}
+    assert r["model_info"] == {
+        "arch": "weight-shared-looped-transformer",
+        "dim": 64,
+        "n_heads": 4,
+        "ffn_dim": 96,
+        "vocab_size": 50257,
+        "default_loops": 3,
+        "quant": "fp16",
+        "kv_cache_mode": "fp16",
+    }
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
     plain = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
     assert "stats" not in plain and plain["choices"][0]["text"] != r["choices"][0]["text"]  # penalty honoured on v0
-    r = httpx.post(f"{server}/api/v0/chat/completions", json={**body, "mode": "tree_speculative", "K_branches": 16, "draft_ahead": 8,
-                                                              "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+    r = httpx.post(
+        f"{server}/api/v0/chat/completions",
+        json={
+            **body,
+            "mode": "tree_speculative",
+            "K_branches": 16,
+            "draft_ahead": 8,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        timeout=10,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "K_branches"
 
 
@@ -190,8 +233,9 @@ def test_native_generate(server, tiny_engine):
 
 
 def test_native_stream(server, tiny_engine):
-    raw = httpx.post(f"{server}/generate", json={"prompt": "Hello there", "max_tokens": 10, "stream": True},
-                     timeout=60).content
+    raw = httpx.post(
+        f"{server}/generate", json={"prompt": "Hello there", "max_tokens": 10, "stream": True}, timeout=60
+    ).content
     events = sse_events(raw)
     want = greedy(tiny_engine, "Hello there", 10, loops=8)
     assert [e["token_id"] for e in events[:-1]] == want.tokens and events[-1]["token_id"] == -1
@@ -247,8 +291,11 @@ def post_then_leave(server: str, path: str, body: dict) -> None:
     host, port = server.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         wait_until(lambda: gauge(server, "tinyloop_requests_running") == 1, "the request never started")
 
 
@@ -269,8 +316,9 @@ def test_disconnect_cancels_the_generation(long_server):
                     next(lines)
         else:
             post_then_leave(server, "/generate", LONG)
-        wait_until(lambda: gauge(server, "tinyloop_requests_running") == 0,
-                   "generation kept running after the client left")
+        wait_until(
+            lambda: gauge(server, "tinyloop_requests_running") == 0, "generation kept running after the client left"
+        )
         assert gauge(server, "tinyloop_client_disconnects_total") == disconnects + 1
         assert gauge(server, "tinyloop_generation_tokens_total") - before < LONG["max_tokens"] / 2
     # Once the server saw the client leave, the engine dropped the request within 2 steps, every time.
@@ -298,9 +346,16 @@ def test_concurrent_requests_each_get_their_own_output(client, tiny_engine):
 
 def test_metrics(server):
     text = httpx.get(f"{server}/metrics", timeout=5).text
-    for name in ["tinyloop_requests_total", "tinyloop_prompt_tokens_total", "tinyloop_generation_tokens_total",
-                 "tinyloop_time_to_first_token_seconds_bucket", "tinyloop_inter_token_latency_seconds_bucket",
-                 "tinyloop_requests_running", "tinyloop_requests_waiting", "tinyloop_kv_cache_bytes"]:
+    for name in [
+        "tinyloop_requests_total",
+        "tinyloop_prompt_tokens_total",
+        "tinyloop_generation_tokens_total",
+        "tinyloop_time_to_first_token_seconds_bucket",
+        "tinyloop_inter_token_latency_seconds_bucket",
+        "tinyloop_requests_running",
+        "tinyloop_requests_waiting",
+        "tinyloop_kv_cache_bytes",
+    ]:
         assert name in text
     assert 'tinyloop_requests_total{endpoint="/v1/completions",status="200"}' in text
     snap = httpx.get(f"{server}/metrics/json", timeout=5).json()
@@ -323,8 +378,11 @@ def test_streamed_characters_spanning_tokens(cycle_model, tiny_engine):
         deltas = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices]
         assert "".join(deltas) == full
         assert all(d and "\ufffd" not in d for d in deltas[:-1])
-        native = sse_events(httpx.post(f"{base}/generate", json={"prompt": ids[:1], "max_tokens": len(ids) - 1, "stream": True},
-                                       timeout=30).content)
+        native = sse_events(
+            httpx.post(
+                f"{base}/generate", json={"prompt": ids[:1], "max_tokens": len(ids) - 1, "stream": True}, timeout=30
+            ).content
+        )
         assert [e["token_id"] for e in native[:-1]] == ids[1:]
         assert "".join(e["text"] for e in native) == full and all("\ufffd" not in e["text"] for e in native)
 
@@ -340,32 +398,45 @@ def _is_utf8(b: bytes) -> bool:
 def test_speculative_endpoints_equal_plain_generation(server):
     prompt = {"prompt": "Speculate about this", "max_tokens": 24}
     plain = httpx.post(f"{server}/generate", json={**prompt, "loops": 6}, timeout=60).json()
-    spec = httpx.post(f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
-                                                              "draft_ahead": 3}, timeout=60).json()
+    spec = httpx.post(
+        f"{server}/generate/speculative",
+        json={**prompt, "verify_loops": 6, "draft_loops": 2, "draft_ahead": 3},
+        timeout=60,
+    ).json()
     assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
     s = spec["stats"]
     assert (s["mode"], s["loops_used"]) == ("speculative", 6)
     assert s["accepted_draft_tokens_count"] + s["rejected_draft_tokens_count"] == s["total_draft_tokens_count"] > 0
-    tree = httpx.post(f"{server}/generate/tree_speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
-                                                                   "draft_ahead": 3, "K_branches": 1}, timeout=60).json()
+    tree = httpx.post(
+        f"{server}/generate/tree_speculative",
+        json={**prompt, "verify_loops": 6, "draft_loops": 2, "draft_ahead": 3, "K_branches": 1},
+        timeout=60,
+    ).json()
     assert tree["tokens"] == plain["tokens"] and tree["stats"]["mode"] == "tree_speculative"
-    wide = httpx.post(f"{server}/generate/tree_speculative", json={**prompt, "verify_loops": 6, "draft_loops": 2,
-                                                                   "draft_ahead": 4, "K_branches": 3}, timeout=60).json()
+    wide = httpx.post(
+        f"{server}/generate/tree_speculative",
+        json={**prompt, "verify_loops": 6, "draft_loops": 2, "draft_ahead": 4, "K_branches": 3},
+        timeout=60,
+    ).json()
     assert wide["tokens"] == plain["tokens"] and wide["stats"]["total_draft_tokens_count"] > 0
-    raw = httpx.post(f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "stream": True},
-                     timeout=60).content
+    raw = httpx.post(
+        f"{server}/generate/speculative", json={**prompt, "verify_loops": 6, "stream": True}, timeout=60
+    ).content
     events = sse_events(raw)
     assert [e["token_id"] for e in events[:-1]] == plain["tokens"] and events[-1]["token_id"] == -1
     text = httpx.get(f"{server}/metrics", timeout=5).text
     assert 'tinyloop_draft_tokens_proposed_total{mode="speculative"}' in text
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/generate/tree_speculative", {"K_branches": 16, "draft_ahead": 8}, "K_branches"),
-    ("/generate/tree_speculative", {"K_branches": 17}, "K_branches"),
-    ("/generate/speculative", {"draft_ahead": 17}, "draft_ahead"),
-    ("/generate/speculative", {"draft_loops": 33}, "draft_loops"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/generate/tree_speculative", {"K_branches": 16, "draft_ahead": 8}, "K_branches"),
+        ("/generate/tree_speculative", {"K_branches": 17}, "K_branches"),
+        ("/generate/speculative", {"draft_ahead": 17}, "draft_ahead"),
+        ("/generate/speculative", {"draft_loops": 33}, "draft_loops"),
+    ],
+)
 def test_speculative_ranges(server, path, body, param):
     r = httpx.post(f"{server}{path}", json={"prompt": "x", **body}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
@@ -383,8 +454,11 @@ def test_speculative_sampling_is_reproducible_and_tree_needs_greedy(server):
 def test_api_v0_routes_modes(server):
     body = {"model": "m", "prompt": "Route me", "max_tokens": 12, "temperature": 0}
     plain = httpx.post(f"{server}/api/v0/completions", json={**body, "loops": 5}, timeout=60).json()
-    spec = httpx.post(f"{server}/api/v0/completions", json={**body, "mode": "speculative", "verify_loops": 5,
-                                                            "draft_loops": 1}, timeout=60).json()
+    spec = httpx.post(
+        f"{server}/api/v0/completions",
+        json={**body, "mode": "speculative", "verify_loops": 5, "draft_loops": 1},
+        timeout=60,
+    ).json()
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     assert spec["stats"]["mode"] == "speculative" and spec["stats"]["loops_used"] == 5
     assert spec["stats"]["total_draft_tokens_count"] > 0 and "mean_accepted_length" in spec["stats"]
@@ -399,7 +473,7 @@ def test_stop_strings_cut_tokens_and_text_alike(server, tiny_engine):
     # A stop string that begins inside a token: from the 2nd character of the 6th token to the 3rd of the 7th.
     i = next(k for k in range(5, 20) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 3)
     start = len("".join(pieces[:i])) + 1
-    stop = free.text[start:start + len(pieces[i]) - 1 + 3]
+    stop = free.text[start : start + len(pieces[i]) - 1 + 3]
     assert free.text.index(stop) == start
     body = {"prompt": "Stop here", "max_tokens": 30, "stop": [stop]}
     r = httpx.post(f"{server}/generate", json=body, timeout=30).json()
@@ -408,8 +482,11 @@ def test_stop_strings_cut_tokens_and_text_alike(server, tiny_engine):
     events = sse_events(httpx.post(f"{server}/generate", json={**body, "stream": True}, timeout=30).content)
     assert [e["token_id"] for e in events[:-1]] == r["tokens"] and "".join(e["text"] for e in events) == r["text"]
     assert events[-1] == {"token_id": -1, "text": events[-1]["text"], "finish_reason": "stop"}
-    lm = httpx.post(f"{server}/api/v0/completions", json={"model": "m", "prompt": "Stop here", "max_tokens": 30,
-                                                          "temperature": 0, "loops": 8, "stop": stop}, timeout=30).json()
+    lm = httpx.post(
+        f"{server}/api/v0/completions",
+        json={"model": "m", "prompt": "Stop here", "max_tokens": 30, "temperature": 0, "loops": 8, "stop": stop},
+        timeout=30,
+    ).json()
     assert lm["choices"][0]["text"] == free.text[:start] and lm["stats"]["stop_reason"] == "stopStringFound"
 
 
@@ -417,8 +494,9 @@ def test_native_stop_mixes_strings_and_token_ids(server, tiny_engine):
     free = greedy(tiny_engine, "Mixed stops", 20, loops=8)
     by_id = free.tokens[8]
     late_text = tiny_engine.decode(free.tokens[12:14])
-    r = httpx.post(f"{server}/generate", json={"prompt": "Mixed stops", "max_tokens": 20,
-                                               "stop": [late_text, by_id]}, timeout=30).json()
+    r = httpx.post(
+        f"{server}/generate", json={"prompt": "Mixed stops", "max_tokens": 20, "stop": [late_text, by_id]}, timeout=30
+    ).json()
     first = free.tokens.index(by_id)
     assert r["tokens"] == free.tokens[:first] and r["finish_reason"] == "stop"
     assert r["stats"]["stop_reason"] == "eosFound"  # a stop token ends it as EOS would (LM Studio has no other name)

@@ -34,19 +34,29 @@ def test_failed_model_load_still_serves_503(tmp_path):
         assert client.models.list().data[0].id == str(bad)
 
 
-@pytest.mark.parametrize("env,mode", [({"TINYLOOP_KV_INT8": "1"}, "int8"), ({"TINYLOOP_KV_INT4": "1"}, "int4"),
-                                      ({"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_H_MODE": "1"}, "int4-h")])
+@pytest.mark.parametrize(
+    "env,mode",
+    [
+        ({"TINYLOOP_KV_INT8": "1"}, "int8"),
+        ({"TINYLOOP_KV_INT4": "1"}, "int4"),
+        ({"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_H_MODE": "1"}, "int4-h"),
+    ],
+)
 def test_kv_mode_from_the_environment(tiny, env, mode):
     """000's mapping, served: the reported mode, and the same greedy tokens as the engine in that mode."""
     import tinyloop
 
-    want = tinyloop.Engine(tiny.path, kv_cache_mode=mode).generate(
-        "x", tinyloop.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), loops=3).tokens
+    want = (
+        tinyloop.Engine(tiny.path, kv_cache_mode=mode)
+        .generate("x", tinyloop.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), loops=3)
+        .tokens
+    )
     with running_server(tiny.path, env=env) as base:
         r = httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 6, "loops": 3}, timeout=30).json()
         assert r["tokens"][: len(want)] == want[: len(r["tokens"])] and len(r["tokens"]) >= 1
-        info = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
-                          timeout=30).json()["model_info"]
+        info = httpx.post(
+            f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=30
+        ).json()["model_info"]
         assert info["kv_cache_mode"] == mode
 
 
@@ -67,11 +77,17 @@ def test_cache_window_is_served(tiny):
     windowed = engine.generate(prompt, params, loops=3, cache_window=3).tokens
     assert windowed != engine.generate(prompt, params, loops=3).tokens
     with running_server(tiny.path) as base:
-        native = httpx.post(f"{base}/generate", json={"prompt": prompt, "max_tokens": 8, "loops": 3, "top_k": 0,
-                                                       "top_p": 1.0, "cache_window": 3}, timeout=30).json()
+        native = httpx.post(
+            f"{base}/generate",
+            json={"prompt": prompt, "max_tokens": 8, "loops": 3, "top_k": 0, "top_p": 1.0, "cache_window": 3},
+            timeout=30,
+        ).json()
         assert native["tokens"][: len(windowed)] == windowed[: len(native["tokens"])]
-        lm = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8,
-                        "temperature": 0, "loops": 3, "cache_window": 3}, timeout=30).json()
+        lm = httpx.post(
+            f"{base}/api/v0/completions",
+            json={"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "loops": 3, "cache_window": 3},
+            timeout=30,
+        ).json()
         assert lm["choices"][0]["text"] == engine.decode(windowed[: lm["usage"]["completion_tokens"]])
         bad = httpx.post(f"{base}/api/v0/completions", json={"model": "m", "prompt": "x", "cache_window": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_window"
@@ -88,8 +104,9 @@ def test_threads_flag_sets_the_engine_threads_and_not_the_tokens(tiny, tiny_engi
             assert httpx.post(f"{base}/generate", json=body, timeout=60).json()["text"] == want
 
 
-@pytest.mark.parametrize("args,env", [(["--threads", "0"], {}), (["--threads", "two"], {}),
-                                      ([], {"TINYLOOP_THREADS": "-1"})])
+@pytest.mark.parametrize(
+    "args,env", [(["--threads", "0"], {}), (["--threads", "two"], {}), ([], {"TINYLOOP_THREADS": "-1"})]
+)
 def test_bad_thread_counts_are_usage_errors(args, env, monkeypatch, capsys):
     from tinyloop.server.cli import parse
 

@@ -44,8 +44,18 @@ def test_soak(model_factory, capsys):
         log = output()
     with capsys.disabled():
         print("\n" + summary(report))
-    problems = {k: report[k] for k in ("wrong", "errors", "unexpected_status_details", "missing_done_details",
-                                       "server_5xx", "final_gauges", "reference")}
+    problems = {
+        k: report[k]
+        for k in (
+            "wrong",
+            "errors",
+            "unexpected_status_details",
+            "missing_done_details",
+            "server_5xx",
+            "final_gauges",
+            "reference",
+        )
+    }
     detail = json.dumps(problems, indent=1, ensure_ascii=False) + "\n--- server output (tail) ---\n" + log[-4000:]
 
     assert report["reference"]["errors"] == [], detail
@@ -56,8 +66,11 @@ def test_soak(model_factory, capsys):
     assert report["unexpected_status"] == 0, detail  # every request is valid: anything but 200 is a bug
     assert report["missing_done"] == 0, detail  # every stream the client read to its end closed with [DONE]
     assert report["drained"], detail
-    assert report["final_gauges"] == {"tinyloop_requests_running": 0, "tinyloop_requests_waiting": 0,
-                                      "tinyloop_kv_cache_bytes": 0}, detail
+    assert report["final_gauges"] == {
+        "tinyloop_requests_running": 0,
+        "tinyloop_requests_waiting": 0,
+        "tinyloop_kv_cache_bytes": 0,
+    }, detail
     assert "Traceback" not in log, detail
 
     rss = report["rss_mib"]

@@ -7,9 +7,8 @@ import random
 import pytest
 
 import tinyloop
-from tinyloop import SamplingParams
-
 from conftest import TINY
+from tinyloop import SamplingParams
 
 SETTINGS = [(1, 3, 4), (2, 8, 4), (1, 8, 2), (3, 4, 8), (2, 6, 1), (4, 12, 5)]
 
@@ -40,12 +39,17 @@ def test_penalties_and_stops_are_honoured_exactly(tiny_engine):
     for prompt in prompts(10, seed=3):
         plain = tiny_engine.generate(prompt, params, loops=6)
         stop = plain.tokens[len(plain.tokens) // 2]
-        with_stop = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.5,
-                                   stop_token_ids=[stop])
+        with_stop = SamplingParams(
+            temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.5, stop_token_ids=[stop]
+        )
         assert tiny_engine.generate(prompt, params, loops=6, draft=(2, 4)).tokens == plain.tokens
         a = tiny_engine.generate(prompt, with_stop, loops=6)
         b = tiny_engine.generate(prompt, with_stop, loops=6, draft=(2, 4))
-        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason) == (plain.tokens[: plain.tokens.index(stop)], "stop")
+        assert (
+            (a.tokens, a.finish_reason)
+            == (b.tokens, b.finish_reason)
+            == (plain.tokens[: plain.tokens.index(stop)], "stop")
+        )
 
 
 def test_stream_matches_generate(tiny_engine):
@@ -63,7 +67,9 @@ def test_a_self_consistent_model_accepts_every_draft(cycle_model):
     # The cycle model's layers write nothing, so every depth predicts the same token: all drafts are accepted.
     path, ids = cycle_model
     engine = tinyloop.Engine(path)
-    out = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8, draft=(1, 4))
+    out = engine.generate(
+        ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8, draft=(1, 4)
+    )
     assert out.tokens == (ids[1:] + ids)[:12]
     assert out.draft_accepted == out.draft_proposed == 11  # the prefill token is not drafted
 
@@ -147,20 +153,24 @@ def test_tree_with_one_branch_is_chain(tiny_engine):
     for prompt in prompts(5, seed=11):
         chain = tiny_engine.generate(prompt, params, loops=6, draft=(2, 4))
         tree = tiny_engine.generate(prompt, params, loops=6, draft=(2, 4), k_branches=1)
-        assert (chain.tokens, chain.draft_accepted, chain.draft_rounds) == (tree.tokens, tree.draft_accepted,
-                                                                           tree.draft_rounds)
+        assert (chain.tokens, chain.draft_accepted, chain.draft_rounds) == (
+            tree.tokens,
+            tree.draft_accepted,
+            tree.draft_rounds,
+        )
 
 
 def test_tree_on_a_self_consistent_model_accepts_every_draft(cycle_model):
     path, ids = cycle_model
     engine = tinyloop.Engine(path)
-    out = engine.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8,
-                          draft=(1, 4), k_branches=3)
+    out = engine.generate(
+        ids[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), loops=8, draft=(1, 4), k_branches=3
+    )
     assert out.tokens == (ids[1:] + ids)[:12] and out.draft_accepted == out.draft_proposed == 11
 
 
 def test_tree_limits(tiny_engine):
-    with pytest.raises(tinyloop.InvalidRequestError, match="at most|between 1 and 64"):
+    with pytest.raises(tinyloop.InvalidRequestError, match=r"at most|between 1 and 64"):
         tiny_engine.generate([1], SamplingParams(temperature=0.0), loops=4, draft=(2, 9), k_branches=8)
     with pytest.raises(tinyloop.InvalidRequestError, match="greedy-only"):
         tiny_engine.generate([1], SamplingParams(temperature=0.5), loops=4, draft=(2, 2), k_branches=2)
@@ -195,7 +205,10 @@ def test_cache_window_keeps_kv_memory_constant(tiny):
     """The bytes a windowed stream holds stop growing; without a window they grow with every token."""
     engine = tinyloop.Engine(tiny.path, max_seq_len=700)
     params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
-    windowed, full = engine.stream([5, 6, 7], params, loops=3, cache_window=8), engine.stream([5, 6, 7], params, loops=3)
+    windowed, full = (
+        engine.stream([5, 6, 7], params, loops=3, cache_window=8),
+        engine.stream([5, 6, 7], params, loops=3),
+    )
     w_bytes, f_bytes = [], []
     for _ in range(600):
         next(windowed), next(full)

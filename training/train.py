@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import LoopedLM, TrainConfig  # noqa: E402
+from model import LoopedLM, TrainConfig
 
 EOT = 50256
 
@@ -62,8 +62,9 @@ def head_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(model.logits(h).float(), y)
 
 
-def exit_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator,
-              loss_fn=head_loss) -> torch.Tensor:
+def exit_loss(
+    model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator, loss_fn=head_loss
+) -> torch.Tensor:
     h, y = h.reshape(-1, h.shape[-1]), y.reshape(-1)
     if frac < 1.0:
         keep = torch.randperm(h.shape[0], generator=gen)[: int(h.shape[0] * frac)]
@@ -91,7 +92,9 @@ def evaluate(model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max
         hs = model.hidden_states(x[i : i + 8], max(depths), set(depths))
         for d in depths:
             logits = model.logits(hs[d].float())
-            totals[d] += F.cross_entropy(logits.view(-1, logits.shape[-1]), y[i : i + 8].reshape(-1), reduction="sum").item()
+            totals[d] += F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), y[i : i + 8].reshape(-1), reduction="sum"
+            ).item()
     model.train()
     return {d: math.exp(t / (n * ctx)) for d, t in totals.items()}
 
@@ -110,8 +113,17 @@ def load_tinyloop(model: LoopedLM, path: Path) -> None:
     missing = set(own) - set(arrays)
     if missing or any(tuple(arrays[k].shape) != own[k].shape for k in own):
         raise SystemExit(f"{path} does not match the model being trained (missing {sorted(missing)[:3]})")
-    parts = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-             "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+    parts = {
+        "attn_norm": "attn_norm",
+        "attn_q": "wq",
+        "attn_k": "wk",
+        "attn_v": "wv",
+        "attn_output": "wo",
+        "ffn_norm": "ffn_norm",
+        "ffn_gate": "gate",
+        "ffn_up": "up",
+        "ffn_down": "down",
+    }
     with torch.no_grad():
         model.embed.weight.copy_(arrays["token_embd.weight"])
         model.out_norm.weight.copy_(arrays["output_norm.weight"])
@@ -144,8 +156,12 @@ def main() -> int:
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
-    ap.add_argument("--init-from", type=Path, default=None,
-                    help="start from the weights of a .tinyloop file (e.g. the shipped default model)")
+    ap.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from the weights of a .tinyloop file (e.g. the shipped default model)",
+    )
     ap.add_argument("--no-compile", action="store_true", help="run eagerly (torch.compile needs a C++ compiler)")
     ap.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU (fast only with AMX)")
     args = ap.parse_args()
@@ -156,8 +172,14 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 autocast only where it is fast: on CPUs without AMX / AVX512-BF16 (like these) it is 3x slower than f32.
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or args.cpu_bf16)
-    cfg = TrainConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.heads, ffn_dim=args.ffn,
-                      block_count=args.k, context=args.context)
+    cfg = TrainConfig(
+        dim=args.dim,
+        n_heads=args.heads,
+        n_kv_heads=args.heads,
+        ffn_dim=args.ffn,
+        block_count=args.k,
+        context=args.context,
+    )
     model = LoopedLM(cfg).to(device)
     resumed = torch.load(args.resume, map_location=device) if args.resume else None
     if resumed:
@@ -169,14 +191,19 @@ def main() -> int:
     loss_fn = head_loss if args.no_compile else compile_hot_paths(model)
     train = tokenize(args.data / "train.txt")
     held = tokenize(args.data / "heldout.txt")
-    print(f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",
-          flush=True)
+    print(
+        f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",
+        flush=True,
+    )
     weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
     decay, no_decay = [], []
     for p in model.parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     if resumed and "opt" in resumed:
         opt.load_state_dict(resumed["opt"])
     prior = resumed.get("tokens", 0) if resumed else 0
@@ -201,8 +228,7 @@ def main() -> int:
         x, y = (t.to(device) for t in next(data))
         with amp:
             hs = model.hidden_states(x, L, set(exits))
-            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn)
-                      for d in exits}
+            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
             loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -212,11 +238,21 @@ def main() -> int:
         tokens += x.numel()
         final = losses[L].item()
         ema = final if ema is None else 0.98 * ema + 0.02 * final
-        log["steps"].append({"step": step, "t": round(elapsed, 1), "L": L, "lr": lr,
-                             **{f"loss@{d}": round(v.item(), 4) for d, v in losses.items()}})
+        log["steps"].append(
+            {
+                "step": step,
+                "t": round(elapsed, 1),
+                "L": L,
+                "lr": lr,
+                **{f"loss@{d}": round(v.item(), 4) for d, v in losses.items()},
+            }
+        )
         if step % 20 == 0:
-            print(f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
-                  f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses[1].item():.3f}  lr {lr:.2e}", flush=True)
+            print(
+                f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
+                f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses[1].item():.3f}  lr {lr:.2e}",
+                flush=True,
+            )
         if time.time() - last_eval > args.eval_every * 60:
             ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
             log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
@@ -225,7 +261,13 @@ def main() -> int:
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
     log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
-    log["final"] = {"steps": step, "tokens": tokens, "total_tokens": prior + tokens, "minutes": (time.time() - start) / 60, "ppl": ppl}
+    log["final"] = {
+        "steps": step,
+        "tokens": tokens,
+        "total_tokens": prior + tokens,
+        "minutes": (time.time() - start) / 60,
+        "ppl": ppl,
+    }
     print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}", flush=True)
     save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     (args.out / "log.json").write_text(json.dumps(log))

@@ -1,11 +1,11 @@
 """`tinyloop` (or `python -m tinyloop`): command-line access to the engine and the model tools.
 
-    tinyloop info MODEL
-    tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L] [--temperature T] [--seed S]
-    tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
-    tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
-    tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
-    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N]   # cheaper speculative drafts
+tinyloop info MODEL
+tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L] [--temperature T] [--seed S]
+tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
+tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
+tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
+tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N]   # cheaper speculative drafts
 """
 
 from __future__ import annotations
@@ -49,9 +49,19 @@ def _random_model(args: argparse.Namespace) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     from .modelfile.quantize import Options, quantize_file
 
-    opts = Options(bits=args.bits, method=args.method, format=args.format, group_size=args.group_size,
-                   calib=args.calib, act_order=args.act_order, percdamp=args.percdamp, loops=args.loops,
-                   calib_windows=args.calib_windows, calib_window=args.calib_window, progress=not args.quiet)
+    opts = Options(
+        bits=args.bits,
+        method=args.method,
+        format=args.format,
+        group_size=args.group_size,
+        calib=args.calib,
+        act_order=args.act_order,
+        percdamp=args.percdamp,
+        loops=args.loops,
+        calib_windows=args.calib_windows,
+        calib_window=args.calib_window,
+        progress=not args.quiet,
+    )
     quantize_file(args.input, args.output, opts)
     return 0
 
@@ -111,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, required=True, help="8 (Q8_0), 4 (Q4_0, or Q4_1 with --format) or 2 (Q2_K)")
     p.add_argument("--method", default="rtn", help="rtn (round to nearest, default) or gptq")
     p.add_argument("--format", default=None, help="with --bits 4: q4_0 (default) or q4_1")
-    p.add_argument("--group-size", type=int, default=None,
-                   help="values per scale; fixed by the block format (32, or 16 for Q2_K): only that value is accepted")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="values per scale; fixed by the block format (32, or 16 for Q2_K): only that value is accepted",
+    )
     p.add_argument("--calib", default=None, help="GPTQ calibration text (default: a sample of the training split)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     p.add_argument("--percdamp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
@@ -132,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("draft-vocab", help="list a corpus's most frequent tokens in the model, for cheaper drafts")
     p.add_argument("input", help="a .tinyloop file")
     p.add_argument("output", help="the .tinyloop file to write (may be the input)")
-    p.add_argument("--corpus", required=True, help="text to count tokens in (passages separated by <|endoftext|> lines)")
+    p.add_argument(
+        "--corpus", required=True, help="text to count tokens in (passages separated by <|endoftext|> lines)"
+    )
     p.add_argument("--size", type=int, default=4096, help="tokens to keep (default 4096)")
     p.set_defaults(run=_draft_vocab)
 

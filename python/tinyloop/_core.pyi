@@ -205,7 +205,8 @@ class Engine:
         """A stream of `StepEvent`s; arguments as `generate`."""
     def step_many(self, streams: list[TokenStream]) -> list[StepEvent | TinyloopError | None]:
         """One step of every stream, batched (continuous batching); per stream: its event, None if it had
-        finished, or the exception its step raised. Long prompts go in PREFILL_CHUNK (256) tokens per step: such a step's event
+        finished, or the exception its step raised. Long prompts go in PREFILL_CHUNK (256) tokens per step: such a
+        step's event
         has token_id -1 and no finish_reason."""
         ...
     def sequence(self, capacity: int | None = None, window: int = 0) -> Sequence: ...

@@ -40,15 +40,18 @@ def evaluate(engine, ids: list[int], window: int, depths: list[int] = DEPTHS, pr
         chunk = ids[s : s + window + 1]
         if len(chunk) < 2:
             break
-        scored = dict(zip(depths, engine.score(chunk, depths)))
+        scored = dict(zip(depths, engine.score(chunk, depths), strict=True))
         ref = scored[REFERENCE_DEPTH][1]
         for d, (logp, argmax) in scored.items():
             nll[d] -= sum(logp)
-            agree[d] += sum(a == b for a, b in zip(argmax, ref))
+            agree[d] += sum(a == b for a, b in zip(argmax, ref, strict=True))
         count += len(chunk) - 1
-    return {"tokens": count, "window": window,
-            "perplexity": {d: math.exp(nll[d] / count) for d in depths},
-            "agreement_with_8": {d: agree[d] / count for d in depths}}
+    return {
+        "tokens": count,
+        "window": window,
+        "perplexity": {d: math.exp(nll[d] / count) for d in depths},
+        "agreement_with_8": {d: agree[d] / count for d in depths},
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -81,8 +84,11 @@ def main() -> int:
     ap.add_argument("model", type=Path)
     ap.add_argument("heldout", type=Path)
     ap.add_argument("--tokens", type=int, default=32768, help="held-out tokens to score (0: the whole file)")
-    ap.add_argument("--depths", default=None, help="comma-separated loop depths (default: 1,2,3,4,6,8,12,16; 8 is "
-                    "always scored, as the agreement reference)")
+    ap.add_argument(
+        "--depths",
+        default=None,
+        help="comma-separated loop depths (default: 1,2,3,4,6,8,12,16; 8 is always scored, as the agreement reference)",
+    )
     ap.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_seq_len - 1)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
@@ -96,7 +102,10 @@ def main() -> int:
     depths = sorted({int(d) for d in args.depths.split(",")} | {REFERENCE_DEPTH}) if args.depths else DEPTHS
     result = evaluate(engine, ids, window, depths)
     for d in depths:
-        print(f"loops {d:2d}: perplexity {result['perplexity'][d]:8.2f}   agreement with 8: {result['agreement_with_8'][d]:.3f}")
+        print(
+            f"loops {d:2d}: perplexity {result['perplexity'][d]:8.2f}   "
+            f"agreement with 8: {result['agreement_with_8'][d]:.3f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -16,7 +16,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-
 _SCALARS = {  # tinyloop key -> llama key
     "context_length": "context_length",
     "embedding_length": "embedding_length",
@@ -45,8 +44,9 @@ def _value(field: gguf.ReaderField):
     return field.parts[field.data[0]].tolist()[0]
 
 
-def export_llama(src: str | os.PathLike[str], dst: str | os.PathLike[str], loops: int | None = None,
-                 progress: bool = True) -> int:
+def export_llama(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], loops: int | None = None, progress: bool = True
+) -> int:
     """Write the unrolled llama GGUF of `src` at depth `loops` (default: the model's); returns the layer count."""
     path = Path(src)
     if not path.is_file():
@@ -108,10 +108,12 @@ def export_llama(src: str | os.PathLike[str], dst: str | os.PathLike[str], loops
     w.write_tensors_to_file(progress=progress)
     w.close()
     if progress:
-        print(f"wrote {dst}: {n_layers} llama layers ({prelude} prelude + {k} x {loops} loops), {total} tensors",
-              file=sys.stderr)
+        print(
+            f"wrote {dst}: {n_layers} llama layers ({prelude} prelude + {k} x {loops} loops), {total} tensors",
+            file=sys.stderr,
+        )
     return n_layers
 
 
 def _layer_names(tensors: dict, prefix: str) -> list[str]:
-    return sorted(n[len(prefix):] for n in tensors if n.startswith(prefix))
+    return sorted(n[len(prefix) :] for n in tensors if n.startswith(prefix))

@@ -208,8 +208,9 @@ _FLOAT_FIELDS = ("rms_eps", "rope_theta")
 
 
 def _metadata(cfg: ModelConfig) -> list[tuple[str, int | float]]:
-    return [(key, float(getattr(cfg, f)) if f in _FLOAT_FIELDS else getattr(cfg, f))
-            for f, key in _METADATA_KEYS.items()]
+    return [
+        (key, float(getattr(cfg, f)) if f in _FLOAT_FIELDS else getattr(cfg, f)) for f, key in _METADATA_KEYS.items()
+    ]
 
 
 def encoded(array: np.ndarray, weight_type: str) -> np.ndarray:
@@ -333,5 +334,9 @@ def model_config(contents: GGUFContents) -> ModelConfig:
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("metadata key tokenizer.ggml.tokens is missing")
     name = meta.get("general.name", (ModelConfig.name,))[0]
-    return ModelConfig(**values, vocab_size=len(meta["tokenizer.ggml.tokens"][0]),
-                       tied_head="output.weight" not in contents.tensors, name=name)
+    return ModelConfig(
+        **values,
+        vocab_size=len(meta["tokenizer.ggml.tokens"][0]),
+        tied_head="output.weight" not in contents.tensors,
+        name=name,
+    )

@@ -6,7 +6,8 @@
 
 Every matrix is quantized, token_embd.weight and output.weight included; norms stay F32; metadata and tokenizer keys
 are copied unchanged except general.file_type. Q2_K needs rows of a multiple of 256 values: other matrices (e.g.
-ffn_down with 704 inputs) fall back to Q4_0 (with GPTQ, onto Q4_0's grid), and the command names them. With an untied head, token_embd.weight is
+ffn_down with 704 inputs) fall back to Q4_0 (with GPTQ, onto Q4_0's grid), and the command names them. With an untied
+head, token_embd.weight is
 only an embedding lookup (no input to calibrate against), so GPTQ rounds it to nearest.
 """
 
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import calibrate
 from .._core import TinyloopError
+from . import calibrate
 from .format import FILE_TYPES, GGUFContents, V, model_config, read_gguf, write_gguf
 from .gptq import Prepared, column_blocks, gptq, prepare
 from .quants import FORMATS, rtn
@@ -85,8 +86,10 @@ def target_type(opts: Options) -> str:
     group = FORMATS[name].sub
     if opts.group_size is not None and opts.group_size != group:
         where = "16 inside each 256-value super-block" if name == "Q2_K" else f"{group}"
-        raise QuantizeError(f"--group-size {opts.group_size}: {name} stores one scale per {where} values; the GGUF "
-                            f"block format fixes the group, so only --group-size {group} is possible")
+        raise QuantizeError(
+            f"--group-size {opts.group_size}: {name} stores one scale per {where} values; the GGUF "
+            f"block format fixes the group, so only --group-size {group} is possible"
+        )
     return name
 
 
@@ -109,12 +112,15 @@ def _calibrate(path: Path, contents: GGUFContents, opts: Options) -> calibrate.H
     engine = Engine(path)
     text = calib.read_text(encoding="utf-8", errors="replace")
     try:
-        windows = calibrate.calibration_windows(text, engine.encode, engine.eos_token_id, opts.calib_windows,
-                                                min(opts.calib_window, cfg.context_length))
+        windows = calibrate.calibration_windows(
+            text, engine.encode, engine.eos_token_id, opts.calib_windows, min(opts.calib_window, cfg.context_length)
+        )
     except ValueError as e:
         raise QuantizeError(f"{calib}: {e}") from e
-    print(f"calibration: {windows.shape[0]} windows × {windows.shape[1]} tokens from {calib.name}, {loops} loops",
-          file=sys.stderr)
+    print(
+        f"calibration: {windows.shape[0]} windows × {windows.shape[1]} tokens from {calib.name}, {loops} loops",
+        file=sys.stderr,
+    )
     weights = {name: array for name, (array, _) in contents.tensors.items()}
     batch = 4
     with _bar(-(-len(windows) // batch), "calibrate", opts.progress) as bar:
@@ -151,12 +157,17 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], opts
     report.fallbacks = [n for n, t in report.types.items() if t not in ("F32", target)]
     if report.fallbacks:
         rows = ", ".join(f"{n} ({contents.tensors[n][0].shape[1]} per row)" for n in report.fallbacks)
-        print(f"{target} needs rows of a multiple of {FORMATS[target].block} values; stored as {FALLBACK} "
-              f"instead: {rows}", file=sys.stderr)
+        print(
+            f"{target} needs rows of a multiple of {FORMATS[target].block} values; stored as {FALLBACK} "
+            f"instead: {rows}",
+            file=sys.stderr,
+        )
 
     hessians = _calibrate(src, contents, opts) if opts.method == "gptq" else {}
-    steps = {n: column_blocks(contents.tensors[n][0].shape[1], FORMATS[t]) if n in hessians else 1
-             for n, t in report.types.items()}
+    steps = {
+        n: column_blocks(contents.tensors[n][0].shape[1], FORMATS[t]) if n in hessians else 1
+        for n, t in report.types.items()
+    }
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     prepared: dict[int, Prepared] = {}  # by Hessian identity: matrices that share an input share it
     with _bar(sum(steps.values()), f"quantize {target}", opts.progress) as bar:

@@ -191,8 +191,9 @@ FORMATS: dict[str, BlockFormat] = {
 
 def per_value(p: Params, cols: int) -> Params:
     """Parameters (rows, n, k) repeated to one per value (rows, cols)."""
-    return {key: np.repeat(v, cols // (v.shape[1] * v.shape[2]), axis=-1).reshape(v.shape[0], cols)
-            for key, v in p.items()}
+    return {
+        key: np.repeat(v, cols // (v.shape[1] * v.shape[2]), axis=-1).reshape(v.shape[0], cols) for key, v in p.items()
+    }
 
 
 def per_column(fmt: BlockFormat, p: Params, col: int) -> Params:

@@ -48,7 +48,7 @@ def byte_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def spell(token: bytes) -> str:

@@ -1,4 +1,5 @@
-"""The FastAPI application: thin routes over serving.py, auth, errors in the API's shape, metrics per request.
+"""The FastAPI application: the gate (auth, body limits, disconnects, metrics per request), errors in the API's
+shape, health and metrics, and one router per API family (openai.py, lmstudio.py, native.py).
 
 `create_app()` reads its configuration from the environment (set by `tinyloop-serve`, or by hand):
 TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY / TINYLOOP_API_KEY_FILE,
@@ -10,32 +11,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import serving
+from . import lmstudio, native, openai
 from .config import ServerConfig
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    LMChatCompletionRequest,
-    LMCompletionRequest,
-    SpeculativeRequest,
-    TreeSpeculativeRequest,
-)
 from .runner import EngineRunner
+from .state import ServerState
 
 log = logging.getLogger("tinyloop.server")
 
@@ -49,49 +42,41 @@ def _error(e: APIError) -> ORJSONResponse:
     return ORJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def load_state(cfg: ServerConfig) -> tuple[serving.ServerState, Metrics]:
+def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
     metrics = Metrics()
     engine = runner = None
     error = cfg.kv_mode_error()
     if error is None:
         try:
             engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
-            runner = EngineRunner(engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting,
-                                  request_timeout=cfg.request_timeout)
+            runner = EngineRunner(
+                engine,
+                metrics,
+                max_running=cfg.max_running,
+                max_waiting=cfg.max_waiting,
+                request_timeout=cfg.request_timeout,
+            )
             metrics.threads.set(num_threads())
         except TinyloopError as e:
             error = str(e)
     if error:
         log.error("model not loaded: %s", error)
-    state = serving.ServerState(engine=engine, runner=runner, model_id=cfg.served_model_name or str(cfg.model_path),
-                                load_error=error, kv_cache_mode=cfg.kv_cache_mode(), commit=cfg.commit,
-                                max_tokens_limit=cfg.max_tokens_limit)
+    state = ServerState(
+        engine=engine,
+        runner=runner,
+        model_id=cfg.served_model_name or str(cfg.model_path),
+        load_error=error,
+        kv_cache_mode=cfg.kv_cache_mode(),
+        commit=cfg.commit,
+        max_tokens_limit=cfg.max_tokens_limit,
+        started=int(time.time()),
+    )
     return state, metrics
 
 
-def create_app(cfg: ServerConfig | None = None) -> FastAPI:
-    cfg = cfg or ServerConfig.from_env()
-    state, metrics = load_state(cfg)
-    inflight = InFlight()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        install_drain(state.runner, inflight)
-        yield
-        if state.runner is not None:
-            state.runner.abort_all("the server is shutting down")
-
-    app = FastAPI(title="tinyloop", version=serving.__version__, default_response_class=ORJSONResponse,
-                  lifespan=lifespan)
-    app.state.tinyloop = state
-    started = int(time.time())
-
-    app.add_middleware(Gate, api_keys=cfg.api_keys, metrics=metrics, max_body_bytes=cfg.max_body_bytes,
-                       inflight=inflight)
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in the API's shape (errors.py): ours, unknown routes and methods, schema failures, the
+    engine's, and anything unexpected (500, logged)."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -112,7 +97,9 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body')}: {err.get('msg')}" for err in errors)
+        msg = "; ".join(
+            f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body')}: {err.get('msg')}" for err in errors
+        )
         return _error(APIError(422, f"invalid request: {msg}", param=".".join(loc) or None))
 
     @app.exception_handler(EngineError)
@@ -120,10 +107,34 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
         log.exception("engine error")
         return _error(APIError(500, str(e), code="engine_error"))
 
+
+def create_app(cfg: ServerConfig | None = None) -> FastAPI:
+    cfg = cfg or ServerConfig.from_env()
+    state, metrics = load_state(cfg)
+    inflight = InFlight()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        install_drain(state.runner, inflight)
+        yield
+        if state.runner is not None:
+            state.runner.abort_all("the server is shutting down")
+
+    app = FastAPI(title="tinyloop", version=__version__, default_response_class=ORJSONResponse, lifespan=lifespan)
+    app.state.tinyloop = state
+
+    app.add_middleware(
+        Gate, api_keys=cfg.api_keys, metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight
+    )
+
+    _error_handlers(app)
+
     @app.get("/health")
     async def health():
         if state.engine is None:
-            return ORJSONResponse({"status": "error", "reason": f"Engine not loaded: {state.load_error}"}, status_code=503)
+            return ORJSONResponse(
+                {"status": "error", "reason": f"Engine not loaded: {state.load_error}"}, status_code=503
+            )
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -134,59 +145,6 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics_json():
         return metrics.snapshot()
 
-    @app.get("/v1/models")
-    @app.get("/api/v0/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": started,
-                                            "owned_by": "tinyloop"}]}
-
-    async def chat(req: ChatCompletionRequest):
-        r = serving.start_chat(state, req)
-        if req.stream:
-            return _sse(serving.chat_stream(state, req, r))
-        await r.complete()
-        return serving.chat_response(state, req, r)
-
-    async def completion(req: CompletionRequest):
-        r = serving.start_completion(state, req)
-        if req.stream:
-            return _sse(serving.completion_stream(state, req, r))
-        await r.complete()
-        return serving.completion_response(state, req, r)
-
-    @app.post("/v1/chat/completions")
-    async def v1_chat(req: ChatCompletionRequest):
-        return await chat(req)
-
-    @app.post("/api/v0/chat/completions")
-    async def v0_chat(req: LMChatCompletionRequest):
-        return await chat(req)
-
-    @app.post("/v1/completions")
-    async def v1_completions(req: CompletionRequest):
-        return await completion(req)
-
-    @app.post("/api/v0/completions")
-    async def v0_completions(req: LMCompletionRequest):
-        return await completion(req)
-
-    async def native(req: GenerateRequest):
-        r, mode, loops = serving.start_generate(state, req)
-        if req.stream:
-            return _sse(serving.generate_stream(r))
-        await r.complete()
-        return serving.generate_response(r, mode, loops)
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
-        return await native(req)
-
-    @app.post("/generate/speculative")
-    async def generate_speculative(req: SpeculativeRequest):
-        return await native(req)
-
-    @app.post("/generate/tree_speculative")
-    async def generate_tree_speculative(req: TreeSpeculativeRequest):
-        return await native(req)
-
+    for family in (openai, lmstudio, native):
+        app.include_router(family.router)
     return app

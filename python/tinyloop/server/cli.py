@@ -35,26 +35,46 @@ ENV_HELP = """environment variables:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tinyloop-serve", description=__doc__.split("\n\n")[0],
-                                epilog=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tinyloop-serve",
+        description=__doc__.split("\n\n")[0],
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model", default=None, help="model file (else TINYLOOP_MODEL_PATH, else the embedded default)")
     p.add_argument("--max-seq-len", type=int, default=None, help="else TINYLOOP_MAX_SEQ_LEN, else the model's context")
     p.add_argument("--served-model-name", default=None, help="else TINYLOOP_SERVED_MODEL_NAME, else the model path")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="an API key (repeat for several), else TINYLOOP_API_KEY; no key means no authentication")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="an API key (repeat for several), else TINYLOOP_API_KEY; no key means no authentication",
+    )
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line; else TINYLOOP_API_KEY_FILE")
     p.add_argument("--max-body-bytes", type=_positive, default=None, help="else TINYLOOP_MAX_BODY_BYTES, else 4 MiB")
-    p.add_argument("--max-tokens-limit", type=_positive, default=None,
-                   help="ceiling of max_tokens, else TINYLOOP_MAX_TOKENS_LIMIT, else 8192")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds one request may take (0: no limit), else TINYLOOP_REQUEST_TIMEOUT, else 600")
+    p.add_argument(
+        "--max-tokens-limit",
+        type=_positive,
+        default=None,
+        help="ceiling of max_tokens, else TINYLOOP_MAX_TOKENS_LIMIT, else 8192",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds one request may take (0: no limit), else TINYLOOP_REQUEST_TIMEOUT, else 600",
+    )
     p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
     p.add_argument("--max-waiting", type=int, default=None, help="else TINYLOOP_MAX_WAITING, else 256")
-    p.add_argument("--threads", type=_positive, default=None,
-                   help="compute threads, else TINYLOOP_THREADS, else one per core; fewer than the cores keeps decode "
-                        "steady when other processes compete for them")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="compute threads, else TINYLOOP_THREADS, else one per core; fewer than the cores keeps decode "
+        "steady when other processes compete for them",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     if args.threads is None and os.environ.get("TINYLOOP_THREADS"):
@@ -77,14 +97,18 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    for env, value in [("TINYLOOP_MODEL_PATH", args.model), ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
-                       ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name),
-                       ("TINYLOOP_API_KEY", ",".join(args.api_key) if args.api_key else None),
-                       ("TINYLOOP_API_KEY_FILE", args.api_key_file),
-                       ("TINYLOOP_MAX_RUNNING", args.max_running), ("TINYLOOP_MAX_WAITING", args.max_waiting),
-                       ("TINYLOOP_MAX_BODY_BYTES", args.max_body_bytes),
-                       ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
-                       ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout)]:
+    for env, value in [
+        ("TINYLOOP_MODEL_PATH", args.model),
+        ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
+        ("TINYLOOP_SERVED_MODEL_NAME", args.served_model_name),
+        ("TINYLOOP_API_KEY", ",".join(args.api_key) if args.api_key else None),
+        ("TINYLOOP_API_KEY_FILE", args.api_key_file),
+        ("TINYLOOP_MAX_RUNNING", args.max_running),
+        ("TINYLOOP_MAX_WAITING", args.max_waiting),
+        ("TINYLOOP_MAX_BODY_BYTES", args.max_body_bytes),
+        ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
+        ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
+    ]:
         if value is not None:
             os.environ[env] = str(value)
     if args.threads is not None:
@@ -98,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot read the API key file: %s", e)
         return 2
     if not keys and not _is_loopback(args.host):
-        log.warning("listening on %s without an API key: anyone who can reach this address can use the server "
-                    "(set --api-key or --api-key-file)", args.host)
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this address can use the server "
+            "(set --api-key or --api-key-file)",
+            args.host,
+        )
     log.info("serving %s on http://%s:%d/v1", model, args.host, args.port)
 
     from granian import Granian
@@ -107,9 +134,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # workers_kill_timeout: the worker drains its requests on SIGTERM (lifecycle.py) within a few seconds; if it
     # ever does not, it is killed rather than holding the process open.
-    Granian("tinyloop.server.app:create_app", factory=True, address=args.host, port=args.port,
-            interface=Interfaces.ASGI, workers=1, log_level=args.log_level, log_access=False,
-            workers_kill_timeout=5).serve()
+    Granian(
+        "tinyloop.server.app:create_app",
+        factory=True,
+        address=args.host,
+        port=args.port,
+        interface=Interfaces.ASGI,
+        workers=1,
+        log_level=args.log_level,
+        log_access=False,
+        workers_kill_timeout=5,
+    ).serve()
     return 0
 
 

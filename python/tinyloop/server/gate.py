@@ -89,7 +89,9 @@ class Gate:
         given = given or headers.get(b"x-api-key", b"")
         # Every key is compared, each in constant time, so the answer's timing says nothing of which key is close.
         if not any([hmac.compare_digest(given, k) for k in self.api_keys]):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise APIError(
+                401, "Invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         declared = dict(scope["headers"]).get(b"content-length")
@@ -145,8 +147,9 @@ class Gate:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than the limit of {limit} bytes (--max-body-bytes)",
-                    code="request_too_large")
+    return APIError(
+        413, f"request body is larger than the limit of {limit} bytes (--max-body-bytes)", code="request_too_large"
+    )
 
 
 def _check_body(scope: Scope, body: bytes) -> None:
@@ -155,8 +158,11 @@ def _check_body(scope: Scope, body: bytes) -> None:
         return
     ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().decode("latin-1").lower()
     if ctype and ctype not in _JSON_TYPES and not ctype.endswith("+json"):
-        raise APIError(415, f"the body must be JSON (Content-Type: application/json), got Content-Type {ctype!r}",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"the body must be JSON (Content-Type: application/json), got Content-Type {ctype!r}",
+            code="unsupported_media_type",
+        )
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -164,15 +170,20 @@ def _check_body(scope: Scope, body: bytes) -> None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise APIError(400, f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
-                       code="invalid_json") from None
+        raise APIError(
+            400, f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})", code="invalid_json"
+        ) from None
     except RecursionError:
         raise APIError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(body):
         where = _lone_surrogate(value)
         if where is not None:
-            raise APIError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not a character",
-                           param=where or None, code="invalid_json")
+            raise APIError(
+                400,
+                f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not a character",
+                param=where or None,
+                code="invalid_json",
+            )
 
 
 def _lone_surrogate(value: Any) -> str | None:

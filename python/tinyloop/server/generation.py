@@ -1,4 +1,4 @@
-"""One choice of one request: submit to the engine, turn step events into text deltas, apply stop strings.
+"""One choice of one request: turn the step events of its engine job into text deltas, apply stop strings.
 
 When a stop string matches, the text ends where the stop string begins, and so do the tokens: `tokens` keeps the
 tokens that lie wholly before the stop string (a token in which the stop string begins is dropped, though the text
@@ -13,25 +13,19 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from .._core import SamplingParams
-from .runner import EngineRunner
+from .runner import EngineRunner, Job
 from .text import TextStream
 
 
 @dataclass
 class ChoiceRun:
-    """Drives one generation; `deltas()` yields (text, finish_reason, tokens handed out) triples, the last one with
-    a finish reason."""
+    """Follows one submitted generation; `deltas()` yields (text, finish_reason, tokens handed out) triples, the
+    last one with a finish reason."""
 
     runner: EngineRunner
-    prompt: list[int]
-    params: SamplingParams
-    loops: int | None
+    job: Job
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
-    draft: tuple[int, int, int] | None = None  # (draft_loops, draft_ahead, k_branches); `loops` verifies
-    mode: str = "generate"
-    cache_window: int = 0  # > 0: attend to (and keep) only the last cache_window positions
     tokens: list[int] = field(default_factory=list)
     generated: int = 0  # tokens the engine generated (usage counts them, a matched stop string's included)
     text: str = ""
@@ -40,8 +34,10 @@ class ChoiceRun:
     error: str | None = None  # the engine's message when finish_reason is "error"
     first_token_at: float | None = None
 
-    def __post_init__(self) -> None:
-        self.job = self.runner.submit(self.prompt, self.params, self.loops, self.draft, self.mode, self.cache_window)
+    @property
+    def loops(self) -> int:
+        """The loops the generation runs (verifies, when speculative) at."""
+        return self.job.loops
 
     def cancel(self) -> None:
         self.runner.cancel(self.job)
@@ -67,7 +63,7 @@ class ChoiceRun:
                     ends.append(ts.position())
                 if ts.stopped:
                     self.finish_reason, self.stopped_by_string = "stop", True
-                    del self.tokens[bisect.bisect_right(ends, len(ts.text)):]
+                    del self.tokens[bisect.bisect_right(ends, len(ts.text)) :]
                     self.cancel()
                     yield self._clean(delta), "stop", len(self.tokens)
                     return

@@ -30,6 +30,7 @@ def install_drain(runner: EngineRunner | None, inflight: InFlight) -> None:
         return
     previous = {sig: handlers.get(sig) for sig in _SIGNALS}
     started = False
+    draining: set[asyncio.Task] = set()  # the loop keeps only weak references to its tasks
 
     def on_signal(sig: signal.Signals) -> None:
         nonlocal started
@@ -39,7 +40,7 @@ def install_drain(runner: EngineRunner | None, inflight: InFlight) -> None:
         log.info("%s: ending %s request(s) in flight, then stopping", sig.name, inflight.count)
         if runner is not None:
             runner.abort_all("the server is shutting down")
-        loop.create_task(_drain_then(inflight, previous.get(sig)))
+        draining.add(loop.create_task(_drain_then(inflight, previous.get(sig))))
 
     for sig in _SIGNALS:
         if previous[sig] is not None:

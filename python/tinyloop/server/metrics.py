@@ -12,25 +12,44 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("tinyloop_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "tinyloop_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("tinyloop_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("tinyloop_time_to_first_token_seconds", "Time from submission to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tinyloop_inter_token_latency_seconds", "Time between consecutive tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "tinyloop_time_to_first_token_seconds",
+            "Time from submission to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tinyloop_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests_running = Gauge("tinyloop_requests_running", "Requests being generated", registry=r)
         self.requests_waiting = Gauge("tinyloop_requests_waiting", "Requests queued for the engine", registry=r)
-        self.draft_proposed = Counter("tinyloop_draft_tokens_proposed", "Draft tokens proposed, by mode", ["mode"],
-                                      registry=r)
-        self.draft_accepted = Counter("tinyloop_draft_tokens_accepted", "Draft tokens accepted, by mode", ["mode"],
-                                      registry=r)
+        self.draft_proposed = Counter(
+            "tinyloop_draft_tokens_proposed", "Draft tokens proposed, by mode", ["mode"], registry=r
+        )
+        self.draft_accepted = Counter(
+            "tinyloop_draft_tokens_accepted", "Draft tokens accepted, by mode", ["mode"], registry=r
+        )
         self.threads = Gauge("tinyloop_threads", "Compute threads of the engine", registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
-        self.client_disconnects = Counter("tinyloop_client_disconnects", "Requests whose client left before the answer "
-                                          "was complete (their generation is cancelled)", registry=r)
-        self.cancel_steps = Histogram("tinyloop_cancel_steps", "Engine steps a cancelled request still took part in "
-                                      "after its cancellation", buckets=(0, 1, 2, 3, 5, 10, 100), registry=r)
+        self.client_disconnects = Counter(
+            "tinyloop_client_disconnects",
+            "Requests whose client left before the answer was complete (their generation is cancelled)",
+            registry=r,
+        )
+        self.cancel_steps = Histogram(
+            "tinyloop_cancel_steps",
+            "Engine steps a cancelled request still took part in after its cancellation",
+            buckets=(0, 1, 2, 3, 5, 10, 100),
+            registry=r,
+        )
 
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .._core import Engine, SamplingParams, StepEvent, TinyloopError, TokenStream, release_memory
+from .._core import Engine, Generation, StepEvent, TinyloopError, TokenStream, release_memory
 from .metrics import Metrics
 
 log = logging.getLogger("tinyloop.server")
@@ -68,6 +68,7 @@ class Job:
     stream: TokenStream
     loop: asyncio.AbstractEventLoop
     mode: str = "generate"  # label for the draft-token metrics
+    loops: int = 0  # the loops it runs (verifies, when speculative) at: read once, the engine thread owns the stream
     draft_stats: tuple[int, int, int] = (0, 0, 0)  # (rounds, proposed, accepted), set when the job leaves
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -86,8 +87,14 @@ class Job:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: Metrics, max_running: int = 16, max_waiting: int = 256,
-                 request_timeout: float = 0.0):
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        max_running: int = 16,
+        max_waiting: int = 256,
+        request_timeout: float = 0.0,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.max_running = max_running
@@ -102,21 +109,20 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, loops: int | None,
-               draft: tuple[int, int, int] | None = None, mode: str = "generate", cache_window: int = 0) -> Job:
-        """Queue a generation (speculative when `draft` = (draft_loops, draft_ahead, k_branches); a sliding KV
-        window when `cache_window` > 0). Raises the engine's typed errors (bad arguments, context length) at once."""
-        spec = (draft[0], draft[1]) if draft else None
-        stream = self.engine.stream(prompt, params, loops, spec, k_branches=draft[2] if draft else 1,
-                                    cache_window=cache_window)
-        job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode)
+    def submit(self, prompt: list[int], generation: Generation, mode: str = "generate") -> Job:
+        """Queue a generation (`mode` labels its draft-token metrics). Raises the engine's typed errors (bad
+        arguments, context length) at once."""
+        stream = self.engine.stream(prompt, generation)
+        job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode, loops=stream.loops)
         with self._cv:
             if self._closing:
                 raise Overloaded(self._closing)
             self._drop_cancelled_waiting()
             if len(self._running) + len(self._waiting) >= self.max_running + self.max_waiting:
-                raise Overloaded(f"the server is at capacity ({len(self._running)} requests running, "
-                                 f"{len(self._waiting)} waiting); retry shortly")
+                raise Overloaded(
+                    f"the server is at capacity ({len(self._running)} requests running, "
+                    f"{len(self._waiting)} waiting); retry shortly"
+                )
             self._waiting.append(job)
             self.metrics.requests_waiting.set(len(self._waiting))
             self._cv.notify()
@@ -186,7 +192,7 @@ class EngineRunner:
         while True:
             try:
                 self._iteration()
-            except Exception as e:  # noqa: BLE001 - a bug here must not stop the loop that serves every request
+            except Exception as e:
                 log.exception("the engine loop failed; ending its running requests")
                 failed, self._running = self._running, []
                 for job in failed:
@@ -237,7 +243,7 @@ class EngineRunner:
 
     def _hand_out(self, active: list[Job], results: list) -> None:
         now = time.perf_counter()
-        for job, event in zip(active, results):
+        for job, event in zip(active, results, strict=True):
             if event is None or isinstance(event, BaseException):
                 log.error("a request's generation failed: %s", event or "the stream had ended")
                 self._retire(job)

@@ -1,0 +1,186 @@
+"""One API request in flight, whatever its family: a `Plan` (prompts and one `Generation` per choice, built by the
+family's schema) becomes a `RunningRequest` — its choices submitted to the engine runner — whose answer the family
+renders as a JSON body or as SSE events (`respond`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import Response
+
+from .._core import ContextLengthError, Generation, InvalidRequestError
+from ..errors import APIError
+from .generation import ChoiceRun
+from .protocol import usage
+from .runner import Overloaded
+from .sse import sse_response
+from .state import ServerState
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request asks of the engine: every prompt runs once per generation (one generation per choice)."""
+
+    prompts: list[list[int]]
+    generations: list[Generation]
+    mode: str = "generate"  # generate / speculative / tree_speculative: the label of stats and metrics
+    stop: Sequence[str] = ()
+    lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
+
+
+async def tokenize(state: ServerState, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode)."""
+    engine, _ = state.require_engine()
+    return await asyncio.to_thread(lambda: [engine.encode(t) for t in texts])
+
+
+def _check_prompts(state: ServerState, plan: Plan) -> None:
+    engine, _ = state.require_engine()
+    limit, vocab = engine.info.max_seq_len, engine.info.vocab_size
+    max_tokens = max(g.params.max_tokens for g in plan.generations)
+    for p in plan.prompts:
+        if not p:
+            raise APIError(400, "prompt must contain at least one token", param="prompt")
+        bad = next((t for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if len(p) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"prompt has {len(p)} tokens and max_tokens is {max_tokens}: "
+                f"{len(p) + max_tokens} exceeds the maximum sequence length {limit}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+
+class RunningRequest:
+    """The choices of one request, submitted to the engine; `complete()` or `merged_deltas()` consumes them."""
+
+    def __init__(self, state: ServerState, plan: Plan):
+        _check_prompts(state, plan)
+        _, runner = state.require_engine()
+        self.plan = plan
+        self.started = time.perf_counter()
+        self.choices: list[ChoiceRun] = []
+        try:
+            for p in plan.prompts:
+                for g in plan.generations:
+                    self.choices.append(ChoiceRun(runner, runner.submit(p, g, plan.mode), plan.stop, plan.lstrip))
+        except (InvalidRequestError, ContextLengthError) as e:
+            self.cancel()
+            raise APIError(400, str(e)) from e
+        except Overloaded as e:
+            self.cancel()
+            raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e
+        runner.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.cancel()
+
+    async def complete(self) -> None:
+        try:
+            await asyncio.gather(*(c.run() for c in self.choices))
+        finally:
+            self.cancel()
+
+    async def merged_deltas(self) -> AsyncIterator[tuple[int, str, str | None, int]]:
+        """(choice index, delta, finish, tokens handed out so far) from all choices as they come. The token count
+        is taken when the delta is made: the choice may already have produced more by the time the consumer reads
+        it."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, c: ChoiceRun) -> None:
+            try:
+                async for delta, finish, count in c.deltas():
+                    await queue.put((i, delta, finish, count))
+            except BaseException as e:
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(self.choices)]
+        try:
+            finished = 0
+            while finished < len(tasks):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item[2] is not None:
+                    finished += 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.cancel()
+
+    def error(self) -> str | None:
+        """The first engine failure among the choices, if any."""
+        return next((c.error or "generation failed" for c in self.choices if c.finish_reason == "error"), None)
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(len(p) for p in self.plan.prompts), sum(c.generated for c in self.choices))
+
+    def stats(self) -> dict[str, Any]:
+        """The `stats` section of the LM Studio and native answers."""
+        wall = time.perf_counter() - self.started
+        completion = sum(c.generated for c in self.choices)
+        firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        ttft = (min(firsts) - self.started) if firsts else None
+        first = self.choices[0] if self.choices else None
+        out = {
+            "wall_ms": round(wall * 1000, 3),
+            "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
+            "prompt_tokens": sum(len(p) for p in self.plan.prompts),
+            "completion_tokens": completion,
+            "mode": self.plan.mode,
+            "loops_used": first.loops if first else None,
+            "time_to_first_token": round(ttft, 6) if ttft is not None else None,
+            "generation_time": round(wall - (ttft or 0.0), 6),
+            "stop_reason": stop_reason(first),
+        }
+        if self.plan.mode != "generate":
+            out.update(self._draft_stats())
+        return out
+
+    def _draft_stats(self) -> dict[str, Any]:
+        rounds = proposed = accepted = 0
+        for c in self.choices:
+            r, p, a = c.draft_stats()
+            rounds, proposed, accepted = rounds + r, proposed + p, accepted + a
+        return {
+            "accepted_draft_tokens_count": accepted,
+            "rejected_draft_tokens_count": proposed - accepted,
+            "total_draft_tokens_count": proposed,
+            "mean_accepted_length": round(accepted / rounds, 4) if rounds else 0.0,
+        }
+
+
+def stop_reason(c: ChoiceRun | None) -> str | None:
+    """LM Studio's `stats.stop_reason` for how a choice ended."""
+    if c is None or c.finish_reason is None:
+        return None
+    if c.stopped_by_string:
+        return "stopStringFound"
+    return {"stop": "eosFound", "length": "maxPredictedTokensReached", "aborted": "userStopped", "error": "failed"}.get(
+        c.finish_reason, c.finish_reason
+    )
+
+
+async def respond(
+    state: ServerState,
+    plan: Plan,
+    stream: bool,
+    body: Callable[[RunningRequest], dict[str, Any]],
+    events: Callable[[RunningRequest], AsyncIterator[bytes]],
+) -> dict[str, Any] | Response:
+    """Run a plan and answer: SSE events as they come, or the JSON body once every choice has finished."""
+    r = RunningRequest(state, plan)
+    if stream:
+        return sse_response(events(r))
+    await r.complete()
+    return body(r)

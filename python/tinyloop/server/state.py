@@ -1,0 +1,63 @@
+"""What every route needs: the engine, its runner and the server's settings (`ServerState`), reached through the
+`State` dependency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from .. import __version__
+from .._core import Engine
+from ..errors import APIError
+from .protocol import MAX_TOKENS_LIMIT
+from .runner import EngineRunner
+
+
+@dataclass
+class ServerState:
+    engine: Engine | None
+    runner: EngineRunner | None
+    model_id: str
+    load_error: str | None
+    kv_cache_mode: str
+    commit: str | None
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    started: int = 0  # Unix time the server started: the model's `created`
+
+    def require_engine(self) -> tuple[Engine, EngineRunner]:
+        if self.engine is None or self.runner is None:
+            raise APIError(503, f"Engine not loaded: {self.load_error}", code="engine_not_loaded")
+        return self.engine, self.runner
+
+    def model_info(self) -> dict[str, Any]:
+        engine, _ = self.require_engine()
+        i = engine.info
+        return {
+            "arch": "weight-shared-looped-transformer",
+            "dim": i.dim,
+            "n_heads": i.n_heads,
+            "ffn_dim": i.ffn_dim,
+            "vocab_size": i.vocab_size,
+            "default_loops": i.default_loops,
+            "quant": i.quant,
+            "kv_cache_mode": self.kv_cache_mode,
+        }
+
+    def runtime(self) -> dict[str, Any]:
+        return {"name": "tinyloop", "version": __version__, "commit": self.commit}
+
+    def models(self) -> dict[str, Any]:
+        """The model list (`/v1/models`, `/api/v0/models`)."""
+        return {
+            "object": "list",
+            "data": [{"id": self.model_id, "object": "model", "created": self.started, "owned_by": "tinyloop"}],
+        }
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.tinyloop
+
+
+State = Annotated[ServerState, Depends(server_state)]
