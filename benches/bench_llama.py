@@ -34,7 +34,7 @@ LOOPS = 8
 SMALL = ModelConfig(
     dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, block_count=2, context_length=1024, name="random-small"
 )
-# The reference's 407M shape (dim 2048, 16 heads, ffn 8192, k = 4); llama.cpp must stream its 32 unrolled layers.
+# The 407M seed shape (dim 2048, 16 heads, ffn 8192, k = 4); llama.cpp must stream its 32 unrolled layers.
 SEED = ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed")
 
 

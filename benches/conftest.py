@@ -1,4 +1,5 @@
-"""Benchmark fixtures: random models of the shapes named in the engine issue, written once per session."""
+"""Benchmark fixtures: random models of the benchmark shapes (small, and the 407M seed shape), written once per
+session."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ SHAPES = {
     "small": ModelConfig(
         dim=384, n_heads=6, n_kv_heads=6, ffn_dim=1024, block_count=2, context_length=1024, name="small"
     ),
-    # seed-shaped: the reference's 407M looped model (dim 2048, 16 heads, ffn 8192, k = 4)
+    # seed-shaped: a 407M looped model (dim 2048, 16 heads, ffn 8192, k = 4)
     "seed": ModelConfig(
         dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed"
     ),

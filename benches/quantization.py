@@ -22,7 +22,7 @@ from tinyloop.modelfile.evaluate import evaluate, held_out_ids
 
 LOOPS = 8
 # (weights, KV mode): every weight type with the fp16 cache, every cache mode with fp16 weights, and the
-# combination the reference ships (GPTQ int4 weights, int4-h cache).
+# combination a memory-bound deployment would pick (GPTQ int4 weights, int4-h cache).
 ROWS = [
     ("fp16", "fp16"),
     ("int8", "fp16"),

@@ -1,4 +1,5 @@
-"""An independent NumPy forward pass of the looped transformer, written from DESIGN section 1 (not from the Rust code).
+"""An independent NumPy forward pass of the looped transformer, written from the model's description in
+docs/architecture.md and docs/format.md (not from the Rust code).
 
 x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_norm; head (tied unless output.weight).
 A layer: x += Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)); x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)), n = rms_norm.

@@ -85,7 +85,7 @@ def test_chat_stream_bytes(server, client):
     assert all(content)  # empty deltas are dropped
     full = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=10, temperature=0, stop=[])
     assert "".join(content) == full.choices[0].message.content
-    assert b'"object":"chat.completion.chunk"' in raw  # compact JSON, as in the contract's examples
+    assert b'"object":"chat.completion.chunk"' in raw  # compact JSON, as in the documented examples
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])

@@ -43,7 +43,8 @@ def test_failed_model_load_still_serves_503(tmp_path):
     ],
 )
 def test_kv_mode_from_the_environment(tiny, env, mode):
-    """000's mapping, served: the reported mode, and the same greedy tokens as the engine in that mode."""
+    """The environment's KV-cache modes, served: the reported mode, and the same greedy tokens as the engine in that
+    mode."""
     import tinyloop
 
     want = (

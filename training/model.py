@@ -1,4 +1,4 @@
-"""The looped transformer of DESIGN section 1 in PyTorch, for training only (the engine never imports this).
+"""The looped transformer (docs/architecture.md) in PyTorch, for training only (the engine never imports this).
 
 Same function as the engine: RMSNorm pre-norm layers, adjacent-pair RoPE, SwiGLU, no biases, a block of k layers
 applied `loops` times, shared final norm and tied head that may read the residual stream after any loop.

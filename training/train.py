@@ -137,7 +137,7 @@ def save(path: Path, cfg: TrainConfig, model: LoopedLM, opt: torch.optim.Optimiz
     torch.save({"cfg": cfg.__dict__, "state": model.state_dict(), "opt": opt.state_dict(), "tokens": tokens}, path)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=Path("data/corpus"))
     ap.add_argument("--out", type=Path, default=Path("data/run"))
@@ -164,14 +164,12 @@ def main() -> int:
     )
     ap.add_argument("--no-compile", action="store_true", help="run eagerly (torch.compile needs a C++ compiler)")
     ap.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU (fast only with AMX)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_flush_denormal(True)  # tiny softmax tails otherwise turn CPU matmuls 10x slower
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # bf16 autocast only where it is fast: on CPUs without AMX / AVX512-BF16 (like these) it is 3x slower than f32.
-    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or args.cpu_bf16)
+
+def build(args: argparse.Namespace, device: str):
+    """The model (fresh, resumed or initialised from a .tinyloop file), its optimizer, and the tokens the resumed
+    checkpoint had already seen."""
     cfg = TrainConfig(
         dim=args.dim,
         n_heads=args.heads,
@@ -188,14 +186,6 @@ def main() -> int:
         model.load_state_dict(resumed["state"])
     if args.init_from:
         load_tinyloop(model, args.init_from)
-    loss_fn = head_loss if args.no_compile else compile_hot_paths(model)
-    train = tokenize(args.data / "train.txt")
-    held = tokenize(args.data / "heldout.txt")
-    print(
-        f"train {len(train):,} tokens, held-out {len(held):,}; {sum(p.numel() for p in model.parameters()):,} params",
-        flush=True,
-    )
-    weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
     decay, no_decay = [], []
     for p in model.parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
@@ -207,46 +197,62 @@ def main() -> int:
     if resumed and "opt" in resumed:
         opt.load_state_dict(resumed["opt"])
     prior = resumed.get("tokens", 0) if resumed else 0
+    return cfg, model, opt, prior
+
+
+def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, gen, loss_fn):
+    """One optimizer step at a random depth L, with losses at the exits 1, 2, L/2 and L; returns (L, losses)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    L = random.randint(args.loops_min, args.loops_max)
+    exits = {1: float(weights["1"]), 2: float(weights["2"]), max(1, L // 2): float(weights["half"])}
+    exits[L] = float(weights["last"])
+    with amp:
+        hs = model.hidden_states(x, L, set(exits))
+        losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
+        loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return L, losses
+
+
+def main() -> int:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_flush_denormal(True)  # tiny softmax tails otherwise turn CPU matmuls 10x slower
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # bf16 autocast only where it is fast: on CPUs without AMX / AVX512-BF16 (like these) it is 3x slower than f32.
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or args.cpu_bf16)
+    cfg, model, opt, prior = build(args, device)
+    loss_fn = head_loss if args.no_compile else compile_hot_paths(model)
+    train = tokenize(args.data / "train.txt")
+    held = tokenize(args.data / "heldout.txt")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"train {len(train):,} tokens, held-out {len(held):,}; {n_params:,} params", flush=True)
+    weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
     gen = torch.Generator().manual_seed(args.seed)
-    # A resumed phase draws fresh windows: seeded by the seed alone, every phase re-drew phase 1's windows in the
-    # same order (phases 1-4 of the shipped model saw the same 2.6M tokens of windows, the first 1.2M four times).
-    data_rng = np.random.default_rng(args.seed if prior == 0 else [args.seed, prior])
-    data = batches(train, args.batch, args.context, data_rng)
+    # A resumed run draws fresh windows: seeded by the seed alone, it would draw the first run's windows again, in
+    # the same order.
+    data = batches(
+        train, args.batch, args.context, np.random.default_rng(args.seed if prior == 0 else [args.seed, prior])
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": [], "evals": []}
     budget = args.minutes * 60
     start = last_eval = time.time()
     step, tokens, ema = 0, 0, None
     while (elapsed := time.time() - start) < budget:
-        frac = elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        L = random.randint(args.loops_min, args.loops_max)
-        exits = {1: float(weights["1"]), 2: float(weights["2"]), max(1, L // 2): float(weights["half"])}
-        exits[L] = float(weights["last"])
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
         x, y = (t.to(device) for t in next(data))
-        with amp:
-            hs = model.hidden_states(x, L, set(exits))
-            losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
-            loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        tokens += x.numel()
+        L, losses = train_step(args, model, opt, x, y, lr, weights, amp, gen, loss_fn)
+        step, tokens = step + 1, tokens + x.numel()
         final = losses[L].item()
         ema = final if ema is None else 0.98 * ema + 0.02 * final
-        log["steps"].append(
-            {
-                "step": step,
-                "t": round(elapsed, 1),
-                "L": L,
-                "lr": lr,
-                **{f"loss@{d}": round(v.item(), 4) for d, v in losses.items()},
-            }
-        )
+        losses_at = {f"loss@{d}": round(v.item(), 4) for d, v in losses.items()}
+        log["steps"].append({"step": step, "t": round(elapsed, 1), "L": L, "lr": lr, **losses_at})
         if step % 20 == 0:
             print(
                 f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
@@ -261,13 +267,8 @@ def main() -> int:
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
     log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
-    log["final"] = {
-        "steps": step,
-        "tokens": tokens,
-        "total_tokens": prior + tokens,
-        "minutes": (time.time() - start) / 60,
-        "ppl": ppl,
-    }
+    minutes = (time.time() - start) / 60
+    log["final"] = {"steps": step, "tokens": tokens, "total_tokens": prior + tokens, "minutes": minutes, "ppl": ppl}
     print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}", flush=True)
     save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     (args.out / "log.json").write_text(json.dumps(log))

@@ -87,10 +87,7 @@ def _draft_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _engine_commands(sub) -> None:
     p = sub.add_parser("info", help="print a model's configuration")
     p.add_argument("model")
     p.set_defaults(run=_info)
@@ -115,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-type", default="F16", choices=["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
     p.set_defaults(run=_random_model)
 
+
+def _file_commands(sub) -> None:
     p = sub.add_parser("quantize", help="rewrite a model's weights as Q8_0, Q4_0/Q4_1 or Q2_K (RTN or GPTQ)")
     p.add_argument("input", help="a .tinyloop file (weights of any type; they are dequantized first)")
     p.add_argument("output")
@@ -152,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=4096, help="tokens to keep (default 4096)")
     p.set_defaults(run=_draft_vocab)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _engine_commands(sub)
+    _file_commands(sub)
     args = parser.parse_args(argv)
     from ._core import TinyloopError
 

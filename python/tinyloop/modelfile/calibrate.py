@@ -1,4 +1,4 @@
-"""Calibration for GPTQ: a vectorized float32 NumPy forward pass of the looped model (DESIGN section 1) that sums
+"""Calibration for GPTQ: a vectorized float32 NumPy forward pass of the looped model (docs/architecture.md) that sums
 H = 2 XᵀX over the inputs X of every linear layer.
 
 x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_norm; head. A layer (pre-norm, llama

@@ -1,7 +1,7 @@
 """`tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]`: the unrolled model as a llama-architecture GGUF.
 
 A looped model at depth L is, token for token, a plain transformer with `prelude + k·L` layers in which layer
-`prelude + l·k + j` is block layer j (DESIGN section 1). llama.cpp's "llama" architecture is that transformer
+`prelude + l·k + j` is block layer j (docs/architecture.md). llama.cpp's "llama" architecture is that transformer
 (RMSNorm pre-norm, SwiGLU, adjacent-pair "norm" RoPE, GQA, tied head when `output.weight` is absent), so the
 export copies every tensor's bytes unchanged — same types, no requantization — and repeats the block's tensors for
 each loop. The tokenizer keys are copied as they are.
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from .._core import MAX_LOOPS
 
 _SCALARS = {  # tinyloop key -> llama key
     "context_length": "context_length",
@@ -44,11 +46,7 @@ def _value(field: gguf.ReaderField):
     return field.parts[field.data[0]].tolist()[0]
 
 
-def export_llama(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], loops: int | None = None, progress: bool = True
-) -> int:
-    """Write the unrolled llama GGUF of `src` at depth `loops` (default: the model's); returns the layer count."""
-    path = Path(src)
+def _open(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ExportError(f"{path}: no such file")
     try:
@@ -59,36 +57,30 @@ def export_llama(
     arch = _value(fields["general.architecture"]) if "general.architecture" in fields else None
     if arch != "tinyloop":
         raise ExportError(f"{path}: general.architecture is {arch!r}, not 'tinyloop'")
+    return reader
 
-    def key(name: str):
-        return _value(fields[f"tinyloop.{name}"])
 
-    loops = loops if loops is not None else int(key("loops.default"))
-    if not 1 <= loops <= 64:
-        raise ExportError(f"--loops must be in 1..64, got {loops}")
-    k, prelude = int(key("block_count")), int(key("prelude_count"))
-    n_layers = prelude + k * loops
-    heads = int(key("attention.head_count"))
-    head_dim = int(key("embedding_length")) // heads
-
-    w = gguf.GGUFWriter(str(dst), "llama")
+def _write_keys(w: gguf.GGUFWriter, fields: dict, loops: int, n_layers: int) -> None:
+    """The llama keys: the model's scalars under llama's names, the layer count, the tokenizer unchanged."""
     w.add_name(f"{_value(fields['general.name'])} (unrolled, {loops} loops)")
     if _FILE_TYPE in fields:
         w.add_file_type(int(_value(fields[_FILE_TYPE])))
     for ours, theirs in _SCALARS.items():
-        value = key(ours)
+        value = _value(fields[f"tinyloop.{ours}"])
         vtype = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
         w.add_key_value(f"llama.{theirs}", value, vtype)
+    heads = int(_value(fields["tinyloop.attention.head_count"]))
     w.add_block_count(n_layers)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(_value(fields["tinyloop.embedding_length"])) // heads)
     for name, field in fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             w.add_key_value(name, _value(field), field.types[0], sub)
-    vocab = len(_value(fields["tokenizer.ggml.tokens"]))
-    w.add_vocab_size(vocab)
+    w.add_vocab_size(len(_value(fields["tokenizer.ggml.tokens"])))
 
-    tensors = {t.name: t for t in reader.tensors}
+
+def _tensor_plan(tensors: dict, prelude: int, k: int, loops: int) -> list[tuple[str, str]]:
+    """(llama tensor, tinyloop tensor) pairs: the prelude layers, then the block's k layers once per loop."""
     plan: list[tuple[str, str]] = [("token_embd.weight", "token_embd.weight")]
     for i in range(prelude):
         plan += [(f"blk.{i}.{n}", f"pre.{i}.{n}") for n in _layer_names(tensors, f"pre.{i}.")]
@@ -98,18 +90,35 @@ def export_llama(
     plan.append(("output_norm.weight", "output_norm.weight"))
     if "output.weight" in tensors:
         plan.append(("output.weight", "output.weight"))
+    return plan
+
+
+def export_llama(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], loops: int | None = None, progress: bool = True
+) -> int:
+    """Write the unrolled llama GGUF of `src` at depth `loops` (default: the model's); returns the layer count."""
+    reader = _open(Path(src))
+    fields = reader.fields
+    loops = loops if loops is not None else int(_value(fields["tinyloop.loops.default"]))
+    if not 1 <= loops <= MAX_LOOPS:
+        raise ExportError(f"--loops must be in 1..{MAX_LOOPS}, got {loops}")
+    k, prelude = int(_value(fields["tinyloop.block_count"])), int(_value(fields["tinyloop.prelude_count"]))
+    n_layers = prelude + k * loops
+    w = gguf.GGUFWriter(str(dst), "llama")
+    _write_keys(w, fields, loops, n_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    plan = _tensor_plan(tensors, prelude, k, loops)
     for out_name, in_name in plan:
         t = tensors[in_name]
         # Quantized tensors come as (rows, bytes per row) uint8 and are written back as the same blocks.
         w.add_tensor(out_name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    total = len(plan)
     w.write_tensors_to_file(progress=progress)
     w.close()
     if progress:
         print(
-            f"wrote {dst}: {n_layers} llama layers ({prelude} prelude + {k} x {loops} loops), {total} tensors",
+            f"wrote {dst}: {n_layers} llama layers ({prelude} prelude + {k} x {loops} loops), {len(plan)} tensors",
             file=sys.stderr,
         )
     return n_layers

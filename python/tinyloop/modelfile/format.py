@@ -35,7 +35,7 @@ LAYER_NORMS = ("attn_norm", "ffn_norm")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a looped model (DESIGN section 1). Defaults describe a small but complete model."""
+    """Shape of a looped model (docs/architecture.md). Defaults describe a small but complete model."""
 
     dim: int = 256  # embedding_length
     n_heads: int = 4
@@ -325,7 +325,7 @@ def read_gguf(path: str | PathLike[str], raw: bool = False) -> GGUFContents:
 
 
 def model_config(contents: GGUFContents) -> ModelConfig:
-    """The ModelConfig a file's metadata describes (keys as DESIGN section 2 lists them)."""
+    """The ModelConfig a file's metadata describes (keys as docs/format.md lists them)."""
     meta = contents.metadata
     missing = [key for key in _METADATA_KEYS.values() if f"{ARCH}.{key}" not in meta]
     if missing:

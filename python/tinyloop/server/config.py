@@ -54,8 +54,8 @@ class ServerConfig:
         )
 
     def kv_cache_mode(self) -> str:
-        """000's env -> mode mapping: INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8, nothing set is fp16
-        (`kv_mode_error` rejects H_MODE without INT4, and INT4 with INT8)."""
+        """The environment's KV-cache mode (docs/api.md): INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8, nothing set
+        is fp16 (`kv_mode_error` rejects H_MODE without INT4, and INT4 with INT8)."""
         if self.kv_int4:
             return "int4-h" if self.kv_h_mode else "int4"
         if self.kv_int8:
