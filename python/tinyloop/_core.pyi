@@ -2,6 +2,38 @@
 
 from collections.abc import Iterator
 from os import PathLike
+from typing import Self, final
+
+__all__ = [
+    "MAX_BRANCHES",
+    "MAX_CACHE_WINDOW",
+    "MAX_DRAFT_AHEAD",
+    "MAX_DRAFT_LOOPS",
+    "MAX_LOOPS",
+    "MAX_TOP_K",
+    "MAX_TREE_ROWS",
+    "PREFILL_CHUNK",
+    "WINDOW_SLACK",
+    "Completion",
+    "ContextLengthError",
+    "Engine",
+    "EngineError",
+    "Generation",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "SamplingParams",
+    "Sequence",
+    "Speculative",
+    "StepEvent",
+    "TinyloopError",
+    "TokenStream",
+    "TokenizerError",
+    "__commit__",
+    "__version__",
+    "num_threads",
+    "release_memory",
+]
 
 __version__: str
 __commit__: str
@@ -30,11 +62,12 @@ class InvalidRequestError(TinyloopError): ...
 class ContextLengthError(InvalidRequestError): ...
 class EngineError(TinyloopError): ...
 
+@final
 class SamplingParams:
     """Frozen sampling parameters; `temperature == 0` is greedy, `top_k == 0` and `top_p == 1` are off."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -47,7 +80,7 @@ class SamplingParams:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         stop_token_ids: list[int] = ...,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def temperature(self) -> float: ...
     @property
@@ -71,30 +104,50 @@ class SamplingParams:
     @property
     def stop_token_ids(self) -> list[int]: ...
 
+@final
 class ModelInfo:
-    name: str
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    block_count: int
-    prelude_count: int
-    default_loops: int
-    max_trained_loops: int
-    context_length: int
-    max_seq_len: int
-    quant: str
-    kv_dtype: str
-    kv_cache_mode: str
-    draft_vocab_size: int  # tokens speculative drafts may propose via the draft head; 0: drafts use the full head
+    @property
+    def name(self) -> str: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def block_count(self) -> int: ...
+    @property
+    def prelude_count(self) -> int: ...
+    @property
+    def default_loops(self) -> int: ...
+    @property
+    def max_trained_loops(self) -> int: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def quant(self) -> str: ...
+    @property
+    def kv_dtype(self) -> str: ...
+    @property
+    def kv_cache_mode(self) -> str: ...
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens speculative drafts may propose via the draft head; 0: drafts use the full head."""
 
+@final
 class Speculative:
     """Self-speculative settings: draft `draft_ahead` tokens at `draft_loops` loops, verify them at `verify_loops`;
     `k_branches > 1` drafts a tree (greedy only). Frozen; checked when a generation starts."""
 
-    def __init__(self, draft_loops: int, verify_loops: int, draft_ahead: int, k_branches: int = 1) -> None: ...
+    def __new__(cls, draft_loops: int, verify_loops: int, draft_ahead: int, k_branches: int = 1) -> Self: ...
     @property
     def draft_loops(self) -> int: ...
     @property
@@ -104,19 +157,20 @@ class Speculative:
     @property
     def k_branches(self) -> int: ...
 
+@final
 class Generation:
     """What one generation runs: sampling parameters (defaults when None), loop depth (the model's default_loops
     when None; must be None or equal verify_loops when speculative), speculative settings and sliding KV window
     (0: none). Frozen; checked when a generation starts (InvalidRequestError)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         params: SamplingParams | None = None,
         *,
         loops: int | None = None,
         speculative: Speculative | None = None,
         cache_window: int = 0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def params(self) -> SamplingParams: ...
     @property
@@ -126,23 +180,37 @@ class Generation:
     @property
     def cache_window(self) -> int: ...
 
+@final
 class Completion:
     """Result of `Engine.generate`."""
 
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    draft_rounds: int
-    draft_proposed: int
-    draft_accepted: int
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def draft_rounds(self) -> int: ...
+    @property
+    def draft_proposed(self) -> int: ...
+    @property
+    def draft_accepted(self) -> int: ...
 
+@final
 class StepEvent:
-    token_id: int
-    bytes: bytes
-    finish_reason: str | None
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def bytes(self) -> bytes: ...
+    @property
+    def finish_reason(self) -> str | None: ...
 
+@final
 class TokenStream(Iterator[StepEvent]):
     def __iter__(self) -> TokenStream: ...
     def __next__(self) -> StepEvent: ...
@@ -157,6 +225,7 @@ class TokenStream(Iterator[StepEvent]):
         """The loop depth every token is chosen at: `loops` (the model's default_loops when None), or verify_loops
         when speculative."""
 
+@final
 class Sequence:
     def feed(self, ids: list[int], loops: int) -> bytes: ...
     def truncate(self, n: int) -> None: ...
@@ -164,14 +233,15 @@ class Sequence:
     @property
     def kv_bytes(self) -> int: ...
 
+@final
 class Engine:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         path: str | PathLike[str],
         max_seq_len: int | None = None,
         kv_cache_mode: str = "fp16",
         draft_vocab: bool = True,  # draft through the file's draft vocabulary, when it lists one
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def path(self) -> str: ...
     @property
