@@ -641,7 +641,7 @@ impl Engine {
 /// Return memory the allocator holds but no longer uses to the system (the server calls it when idle).
 #[pyfunction]
 fn release_memory(py: Python<'_>) {
-    py.detach(crate::release_memory)
+    py.detach(crate::allocator::release_memory)
 }
 
 /// Threads the engine's matmuls and attention run on: rayon's global pool, sized from `RAYON_NUM_THREADS` when the
@@ -653,7 +653,7 @@ fn num_threads() -> usize {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    crate::configure_allocator();
+    crate::allocator::configure_allocator();
     let py = m.py();
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
