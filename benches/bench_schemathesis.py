@@ -7,6 +7,7 @@ default model. The figures (cases, statuses, failures) are printed and written t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from api_fuzz import fuzz  # noqa: E402
 from serverutil import running_server  # noqa: E402
+from shapes import TINY  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TINYLOOP_FUZZ_EXAMPLES", "400"))
 DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
@@ -26,19 +28,9 @@ DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
+    from tinyloop.modelfile.format import random_weights, write_model
 
-    tiny = ModelConfig(
-        dim=64,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=96,
-        block_count=2,
-        prelude_count=1,
-        default_loops=3,
-        context_length=256,
-        name="fuzz-tiny",
-    )
+    tiny = dataclasses.replace(TINY, name="fuzz-tiny")
     path = tmp_path_factory.mktemp("fuzz") / "tiny.tinyloop"
     write_model(path, tiny, random_weights(tiny, seed=0))
     return path

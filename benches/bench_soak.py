@@ -15,6 +15,7 @@ warm-up (between the median levels of the tenth after warm-up and of the last te
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -26,11 +27,12 @@ from pathlib import Path
 import pytest
 
 import tinyloop
-from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.format import random_weights, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from serverutil import server_process  # noqa: E402
+from shapes import TINY as TINY_TEST  # noqa: E402
 from soak import run_soak, summary  # noqa: E402
 
 SECONDS = float(os.environ.get("TINYLOOP_SOAK_SECONDS", "600"))
@@ -38,18 +40,8 @@ CLIENTS = int(os.environ.get("TINYLOOP_SOAK_CLIENTS", "16"))
 SEED = int(os.environ.get("TINYLOOP_SOAK_SEED", "0"))
 OUT = Path(os.environ.get("TINYLOOP_SOAK_JSON", str(ROOT / ".benchmarks" / "soak.json")))
 DEFAULT_MODEL = ROOT / "python" / "tinyloop" / "models" / "default.tinyloop"
-# tests/conftest.py's TINY with room for the soak's prompts + 48 tokens.
-TINY = ModelConfig(
-    dim=64,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=96,
-    block_count=2,
-    prelude_count=1,
-    default_loops=3,
-    context_length=512,
-    name="tiny-soak",
-)
+# tests/shapes.py's TINY with room for the soak's prompts + 48 tokens.
+TINY = dataclasses.replace(TINY_TEST, context_length=512, name="tiny-soak")
 
 
 def machine() -> dict:
