@@ -102,7 +102,7 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
     from tinyloop.server.metrics import Metrics
     from tinyloop.server.openai import completion_plan
     from tinyloop.server.protocol import CompletionRequest
-    from tinyloop.server.request import RunningRequest
+    from tinyloop.server.request import RunningRequest, start
     from tinyloop.server.runner import EngineRunner
     from tinyloop.server.state import ServerState
 
@@ -110,20 +110,19 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
         runner = EngineRunner(tiny_engine, Metrics(), max_running=0, max_waiting=2)
         state = ServerState(tiny_engine, runner, "m", None, "fp16", None)
 
-        async def start(prompt: str, n: int = 1) -> RunningRequest:
-            return RunningRequest(
-                state, await completion_plan(state, CompletionRequest(model="m", prompt=prompt, max_tokens=3, n=n))
-            )
+        async def submit(prompt: str, n: int = 1) -> RunningRequest:
+            req = CompletionRequest(model="m", prompt=prompt, max_tokens=3, n=n)
+            return start(state, await completion_plan(state, req))
 
-        held = await start("x", n=2)
+        held = await submit("x", n=2)
         with pytest.raises(APIError) as e:
-            await start("y")
+            await submit("y")
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
         assert e.value.body()["error"]["code"] == "server_overloaded" and "2 waiting" in e.value.message
         assert runner.metrics.requests_waiting._value.get() == 2
         # Waiting requests whose client went away free their places.
         held.cancel()
-        again = await start("z")
+        again = await submit("z")
         assert len(again.choices) == 1
         again.cancel()
 

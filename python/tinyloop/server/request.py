@@ -60,25 +60,13 @@ def _check_prompts(state: ServerState, plan: Plan) -> None:
 
 
 class RunningRequest:
-    """The choices of one request, submitted to the engine; `complete()` or `merged_deltas()` consumes them."""
+    """The choices of one request, submitted to the engine (`start`); `complete()` or `merged_deltas()` consumes
+    them."""
 
-    def __init__(self, state: ServerState, plan: Plan):
-        _check_prompts(state, plan)
-        _, runner = state.require_engine()
+    def __init__(self, plan: Plan):
         self.plan = plan
         self.started = time.perf_counter()
         self.choices: list[ChoiceRun] = []
-        try:
-            for p in plan.prompts:
-                for g in plan.generations:
-                    self.choices.append(ChoiceRun(runner, runner.submit(p, g, plan.mode), plan.stop, plan.lstrip))
-        except (InvalidRequestError, ContextLengthError) as e:
-            self.cancel()
-            raise APIError(400, str(e)) from e
-        except Overloaded as e:
-            self.cancel()
-            raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e
-        runner.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -171,6 +159,25 @@ def stop_reason(c: ChoiceRun | None) -> str | None:
     )
 
 
+def start(state: ServerState, plan: Plan) -> RunningRequest:
+    """Check the plan's prompts and submit every choice to the engine runner."""
+    _check_prompts(state, plan)
+    _, runner = state.require_engine()
+    r = RunningRequest(plan)
+    try:
+        for p in plan.prompts:
+            for g in plan.generations:
+                r.choices.append(ChoiceRun(runner, runner.submit(p, g, plan.mode), plan.stop, plan.lstrip))
+    except (InvalidRequestError, ContextLengthError) as e:
+        r.cancel()
+        raise APIError(400, str(e)) from e
+    except Overloaded as e:
+        r.cancel()
+        raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e
+    runner.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
+    return r
+
+
 async def respond(
     state: ServerState,
     plan: Plan,
@@ -179,7 +186,7 @@ async def respond(
     events: Callable[[RunningRequest], AsyncIterator[bytes]],
 ) -> dict[str, Any] | Response:
     """Run a plan and answer: SSE events as they come, or the JSON body once every choice has finished."""
-    r = RunningRequest(state, plan)
+    r = start(state, plan)
     if stream:
         return sse_response(events(r))
     await r.complete()
