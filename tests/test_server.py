@@ -449,6 +449,14 @@ def test_speculative_sampling_is_reproducible_and_tree_needs_greedy(server):
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 10
     r = httpx.post(f"{server}/generate/tree_speculative", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    # The same rule on /api/v0, where sampled chain speculation is allowed and a sampled tree is not.
+    v0 = {"model": "m", "prompt": "x", "max_tokens": 6, "temperature": 0.7, "seed": 3, "verify_loops": 5}
+    chain = httpx.post(f"{server}/api/v0/completions", json={**v0, "mode": "speculative"}, timeout=30)
+    assert chain.status_code == 200 and chain.json()["stats"]["mode"] == "speculative"
+    tree = httpx.post(
+        f"{server}/api/v0/completions", json={**v0, "mode": "tree_speculative", "K_branches": 2}, timeout=10
+    )
+    assert tree.status_code == 400 and tree.json()["error"]["param"] == "temperature"
 
 
 def test_api_v0_routes_modes(server):
