@@ -13,6 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# `.tinyloop` tensor name part -> attribute of a layer (docs/format.md names the tensors).
+TENSOR_PARTS = {
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+}
+
 
 @dataclass
 class TrainConfig:
@@ -121,17 +134,7 @@ class LoopedLM(nn.Module):
     def export_weights(self) -> dict:
         """Weights under the `.tinyloop` tensor names, as float32 NumPy arrays."""
         w = {"token_embd.weight": self.embed.weight, "output_norm.weight": self.out_norm.weight}
-        parts = {
-            "attn_norm": "attn_norm",
-            "attn_q": "wq",
-            "attn_k": "wk",
-            "attn_v": "wv",
-            "attn_output": "wo",
-            "ffn_norm": "ffn_norm",
-            "ffn_gate": "gate",
-            "ffn_up": "up",
-            "ffn_down": "down",
-        }
+        parts = TENSOR_PARTS
         for prefix, layers in (("pre", self.prelude), ("blk", self.block)):
             for i, layer in enumerate(layers):
                 for name, attr in parts.items():

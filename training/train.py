@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import LoopedLM, TrainConfig
+from model import TENSOR_PARTS, LoopedLM, TrainConfig
 
 EOT = 50256
 
@@ -113,17 +113,7 @@ def load_tinyloop(model: LoopedLM, path: Path) -> None:
     missing = set(own) - set(arrays)
     if missing or any(tuple(arrays[k].shape) != own[k].shape for k in own):
         raise SystemExit(f"{path} does not match the model being trained (missing {sorted(missing)[:3]})")
-    parts = {
-        "attn_norm": "attn_norm",
-        "attn_q": "wq",
-        "attn_k": "wk",
-        "attn_v": "wv",
-        "attn_output": "wo",
-        "ffn_norm": "ffn_norm",
-        "ffn_gate": "gate",
-        "ffn_up": "up",
-        "ffn_down": "down",
-    }
+    parts = TENSOR_PARTS
     with torch.no_grad():
         model.embed.weight.copy_(arrays["token_embd.weight"])
         model.out_norm.weight.copy_(arrays["output_norm.weight"])
