@@ -10,7 +10,7 @@ type, status codes, wrong outputs, errors, tokens/s, RSS samples, the gauges aft
 machine it ran on. Environment: TINYLOOP_SOAK_SECONDS (default 600), TINYLOOP_SOAK_CLIENTS (16),
 TINYLOOP_SOAK_SEED (0). A run fails, after writing its figures, on any 5xx, wrong output, transport error,
 unexpected status, stream without [DONE], gauges that do not return to 0, or RSS that grows by more than 5% after
-warm-up (between the median levels of the tenth after warm-up and of the last tenth).
+warm-up (between the median levels of a window right after warm-up and of one at the end, tests/soak.py).
 """
 
 from __future__ import annotations
@@ -139,5 +139,5 @@ def test_soak(benchmark, model_paths, model, capsys):
         "tinyloop_kv_cache_bytes": 0,
     }
     assert report["server_tracebacks"] == 0
-    # RSS flat within 5% after warm-up (medians of the tenth after warm-up and of the last tenth, tests/soak.py).
+    # RSS flat within 5% after warm-up (medians of a window after warm-up and of one at the end, tests/soak.py).
     assert report["rss_change_after_warmup"] <= 0.05, report["rss_mib"]

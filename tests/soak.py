@@ -13,7 +13,7 @@ wrong answer the server gives every time is caught too. Every request in the soa
 with a fixed seed), so each completed answer must equal its reference, and each cancelled stream must be a prefix of
 it; any difference is a wrong output. The driver also counts status
 codes (5xx is a failure), transport errors, streams without `data: [DONE]`, samples the server's RSS (VmRSS summed
-over `pid` and its descendants: granian serves from a child process) every second, and at the end waits for the
+over `pid` and its descendants: granian serves from a child process) four times a second, and at the end waits for the
 `tinyloop_requests_running` / `tinyloop_requests_waiting` gauges to return to 0 and reads `tinyloop_kv_cache_bytes`.
 
 Used by tests/test_soak.py (30 s, tiny model) and benches/bench_soak.py (10 minutes).
@@ -35,6 +35,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from tinyloop.server.runner import TRIM_SECONDS
+
+RSS_INTERVAL = 0.25  # seconds between RSS samples (one costs ~3 ms: a walk of /proc for the server's children)
 
 PROMPTS = [
     "Hello",
@@ -559,7 +563,7 @@ def _sample(
     stop: threading.Event,
     progress: bool,
 ) -> None:
-    """Append (seconds since `start`, server RSS in KiB) to `rss` every second until `stop` is set; with
+    """Append (seconds since `start`, server RSS in KiB) to `rss` every `RSS_INTERVAL` until `stop` is set; with
     `progress`, show a tqdm bar with the request and problem counts so far."""
     bar = None
     if progress:
@@ -580,7 +584,7 @@ def _sample(
                 bar.set_postfix(
                     requests=sum(tally.count.values()), rss_mib=round(rss[-1][1] / 1024, 1), problems=bad, refresh=False
                 )
-        if stop.wait(1.0):
+        if stop.wait(RSS_INTERVAL):
             break
     if bar is not None:
         bar.close()
@@ -686,16 +690,20 @@ def _counts_report(tally: _Tally, elapsed: float, before: dict, after: dict) -> 
 def _rss_report(rss: list[tuple[float, int]], elapsed: float, rss_after_drain: int) -> dict:
     """The report's RSS figures. Growth is measured from the end of a warm-up (the first 20% of the soak), by
     which time caches and pools have reached their working size, as the change between two levels: the median of
-    the samples in the tenth of the soak after warm-up and the median of those in its last tenth. RSS goes up and
-    down by several MiB from one second to the next as buffers come and go (an allocator returns freed memory to
-    the system in its own time), so single samples would measure that jitter rather than a trend."""
+    the samples in a window right after warm-up and of those in a window at the end. RSS goes up and down by 10-20
+    MiB from one second to the next: freed memory stays with the process until the engine loop hands it back, which
+    it does every `TRIM_SECONDS` under load, so the samples draw a saw-tooth of that period. A window is a tenth of
+    the soak, and never shorter than one period, so that each level covers whole teeth whatever their phase; a
+    shorter window (3 s of a 30 s soak) can catch the top of one tooth and the foot of another and report a growth
+    that is only the saw."""
     soak_rss = [v for _, v in rss]
+    window = max(elapsed / 10, TRIM_SECONDS)
 
     def level(lo: float, hi: float) -> int:
-        window = [v for t, v in rss if lo * elapsed <= t < hi * elapsed]
-        return int(statistics.median(window)) if window else soak_rss[-1]
+        values = [v for t, v in rss if lo <= t < hi]
+        return int(statistics.median(values)) if values else soak_rss[-1]
 
-    warm, end = level(0.2, 0.3), level(0.9, 1.01)
+    warm, end = level(0.2 * elapsed, 0.2 * elapsed + window), level(elapsed - window, elapsed + 1)
     step = max(1, len(rss) // 120)  # about 120 samples, whatever the length of the soak
     return {
         "rss_mib": {

@@ -119,6 +119,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
         yield
         if state.runner is not None:
             state.runner.abort_all("the server is shutting down")
+        state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tinyloop", version=__version__, default_response_class=ORJSONResponse, lifespan=lifespan)
     app.state.tinyloop = state

@@ -36,7 +36,8 @@ class Plan:
 async def tokenize(state: ServerState, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode)."""
     engine, _ = state.require_engine()
-    return await asyncio.to_thread(lambda: [engine.encode(t) for t in texts])
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenizer_pool, lambda: [engine.encode(t) for t in texts])
 
 
 def _check_prompts(state: ServerState, plan: Plan) -> None:

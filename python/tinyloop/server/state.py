@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -13,6 +14,8 @@ from .._core import Engine
 from ..errors import APIError
 from .protocol import MAX_TOKENS_LIMIT
 from .runner import EngineRunner
+
+TOKENIZER_THREADS = 2  # encoding releases the GIL; prompts take milliseconds, the engine thread is the bottleneck
 
 
 @dataclass
@@ -25,6 +28,12 @@ class ServerState:
     commit: str | None
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     started: int = 0  # Unix time the server started: the model's `created`
+    # Prompts are encoded here, off the event loop. A pool of its own, of a fixed size, rather than asyncio's
+    # default one (up to 32 threads, created as bursts of requests arrive): the server's threads and the memory
+    # they hold are the same on every machine and do not creep up as the load finds new peaks.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tinyloop-tokenize")
+    )
 
     def require_engine(self) -> tuple[Engine, EngineRunner]:
         if self.engine is None or self.runner is None:
@@ -56,7 +65,9 @@ class ServerState:
         }
 
 
-def server_state(request: Request) -> ServerState:
+async def server_state(request: Request) -> ServerState:
+    # `async`: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request and up to 40
+    # threads under load.
     return request.app.state.tinyloop
 
 
