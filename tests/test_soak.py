@@ -26,10 +26,11 @@ SOAK_MODEL = dataclasses.replace(TINY, context_length=512, name="tiny-soak")
 # two levels: the median RSS over 6-16 s and over the last 10 s (windows of whole 10 s trim periods, so that the
 # saw-tooth of memory freed and handed back does not read as growth; tests/soak.py). The server tree (granian's
 # parent, ~39 MiB, + its worker) holds ~160 MiB here, so 5% is ~8 MiB. Single samples go up and down by 10-20 MiB
-# from one second to the next; the change between the two levels ranged -3.3%..+2.3% (mean +0.4%) over 8 runs. What it catches: state that requests leave behind (a KV cache, ~20 KB per request on
-# this model, a queue entry, a task, a buffer) at roughly 20 KiB per request and more — 8 MiB over the ~400 requests
-# between the middles of the two windows. Smaller leaks are for the 10-minute bench (benches/bench_soak.py, RSS over
-# ~20 times as many requests, judged at 5%).
+# from one second to the next; the change between the two levels ranged -3.3%..+2.3% (mean +0.4%) over 8 runs.
+# What it catches: state that requests leave behind (a KV cache, ~20 KB per request on this model, a queue entry, a
+# task, a buffer) at roughly 20 KiB per request and more — 8 MiB over the ~400 requests between the middles of the
+# two windows. Smaller leaks are for the 10-minute bench (benches/bench_soak.py, RSS over ~20 times as many
+# requests, judged at 5%).
 RSS_GROWTH_REL = 0.05
 RSS_GROWTH_MIB = 8.0
 
