@@ -79,7 +79,7 @@ enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// Frozen sampling parameters (the module doc of `sampler.rs` gives the exact semantics).
+/// Frozen sampling parameters (the module doc of `sampler/mod.rs` gives the exact semantics).
 #[pyclass(frozen, module = "tinyloop._core")]
 #[derive(Clone)]
 struct SamplingParams(RsParams);

@@ -4,8 +4,7 @@
 Two granularities are checked:
 
 - top-level modules: each folder or file directly under rust/ (`generate/`, `kv/`, `limits.rs`, ...; a file pulled
-  in with `#[path = ...]`, like sampler_tests.rs, belongs to the module that includes it; lib.rs is the root and
-  is left out);
+  in with `#[path = ...]` belongs to the module that includes it; lib.rs is the root and is left out);
 - files within each folder: `mod.rs` and its sibling files. A child may use items of its folder's `mod.rs` only if
   `mod.rs` does not import that child back (re-exports included), which is the same rule: no cycle.
 

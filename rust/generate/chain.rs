@@ -9,14 +9,12 @@
 //!
 //! A round's passes are run by the batch scheduler (`batch.rs`), alone or alongside other sequences' rows.
 
-use std::collections::HashMap;
-
 use candle_core::Tensor;
 
 use super::plan::Speculative;
 use super::seq::SeqState;
 use crate::error::{Error, Result};
-use crate::sampler::Sampler;
+use crate::sampler::{Dist, Sampler};
 
 /// A chain round in flight: row j feeds `inputs[j]` at position pos + j; the drafts' hidden states after loops
 /// `0..draft_loops` are where verification resumes.
@@ -26,7 +24,7 @@ pub(super) struct ChainRound {
     pub k: usize,
     pub inputs: Vec<u32>,
     pub hidden: Vec<Tensor>,
-    proposals: Vec<Vec<(u32, f64)>>,
+    proposals: Vec<Dist>,
 }
 
 impl ChainRound {
@@ -72,19 +70,15 @@ impl ChainRound {
 /// Speculative sampling: keep the draft `t` with probability min(1, p(t)/q(t)), else draw from the
 /// normalised residual max(0, p − q). The kept token is then distributed exactly as p. With point masses
 /// (greedy) this is "keep t iff it is p's argmax, else take the argmax".
-fn verify(sampler: &mut Sampler, t: u32, p: &[(u32, f64)], q: &[(u32, f64)]) -> (u32, bool) {
-    let prob = |d: &[(u32, f64)], x: u32| d.iter().find(|e| e.0 == x).map_or(0.0, |e| e.1);
-    let (pt, qt) = (prob(p, t), prob(q, t));
+fn verify(sampler: &mut Sampler, t: u32, p: &Dist, q: &Dist) -> (u32, bool) {
+    let (pt, qt) = (p.prob(t), q.prob(t));
     let keep = pt >= qt || (qt > 0.0 && sampler.uniform() < pt / qt);
     if keep && pt > 0.0 {
         return (t, true);
     }
-    let q_of: HashMap<u32, f64> = q.iter().copied().collect();
-    let residual: Vec<(u32, f64)> = p
-        .iter()
-        .map(|&(x, px)| (x, (px - q_of.get(&x).copied().unwrap_or(0.0)).max(0.0)))
-        .filter(|e| e.1 > 0.0)
-        .collect();
-    let token = if residual.is_empty() { sampler.draw(p) } else { sampler.draw(&residual) };
+    let token = match Dist::residual(p, q) {
+        Some(residual) => sampler.draw(&residual),
+        None => sampler.draw(p),
+    };
     (token, false)
 }

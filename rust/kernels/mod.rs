@@ -5,6 +5,7 @@
 #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 pub mod attn_f16;
 pub mod dense;
+pub mod logits;
 pub(crate) mod panels;
 pub mod simd;
 #[cfg(vnni)]

@@ -10,8 +10,21 @@ fn ln(ps: &[f64]) -> Vec<f32> {
     ps.iter().map(|p| p.ln() as f32).collect()
 }
 
+/// The kept tokens with normalised probabilities, in descending probability (ties: lower id first).
+fn kept_probs(logits: &[f32], t: f32, top_k: usize, top_p: f32) -> Vec<(u32, f64)> {
+    let mut d: Vec<(u32, f64)> = match dist::build(logits, t, top_k, top_p, &mut Scratch::default()) {
+        Dist::Point(id) => vec![(id, 1.0)],
+        Dist::Sparse { items, total } => items.iter().map(|&(i, w)| (i, w / total)).collect(),
+        Dist::Dense { w, total, .. } => {
+            w.iter().enumerate().filter(|e| *e.1 > 0.0).map(|(i, &x)| (i as u32, x as f64 / total)).collect()
+        }
+    };
+    d.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    d
+}
+
 fn kept(logits: &[f32], top_k: usize, top_p: f32) -> Vec<u32> {
-    candidates(logits, 1.0, top_k, top_p).into_iter().map(|c| c.0).collect()
+    kept_probs(logits, 1.0, top_k, top_p).into_iter().map(|c| c.0).collect()
 }
 
 #[test]
@@ -132,12 +145,11 @@ fn chi_square(logits: &[f32], t: f32, top_p: f32, draws: usize) -> f64 {
     for _ in 0..draws {
         counts[s.sample(&mut logits.to_vec()) as usize] += 1;
     }
-    let expected: Vec<f64> = candidates(logits, t, 0, top_p).iter().map(|c| c.1).collect();
-    let ids: Vec<u32> = candidates(logits, t, 0, top_p).iter().map(|c| c.0).collect();
-    let total: f64 = expected.iter().sum();
+    let kept = kept_probs(logits, t, 0, top_p);
+    let ids: Vec<u32> = kept.iter().map(|c| c.0).collect();
     let mut chi = 0.0;
-    for (id, e) in ids.iter().zip(&expected) {
-        let e = e / total * draws as f64;
+    for (id, p) in &kept {
+        let e = p * draws as f64;
         chi += (counts[*id as usize] as f64 - e).powi(2) / e;
     }
     let outside: usize = (0..logits.len()).filter(|i| !ids.contains(&(*i as u32))).map(|i| counts[i]).sum();
@@ -187,4 +199,107 @@ fn invalid_params_are_rejected() {
     })
     .validate()
     .is_err());
+}
+
+/// The kept set by a full sort of the vocabulary: the definition `dist::build` must agree with.
+fn sorted_reference(logits: &[f32], t: f32, top_k: usize, top_p: f32) -> Vec<(u32, f64)> {
+    let mut order: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    if top_k > 0 {
+        order.truncate(top_k);
+    }
+    let max = logits[order[0] as usize] as f64;
+    let w: Vec<(u32, f64)> = order.iter().map(|&i| (i, ((logits[i as usize] as f64 - max) / t as f64).exp())).collect();
+    let total: f64 = w.iter().map(|e| e.1).sum();
+    let (mut mass, mut keep) = (0.0, 0);
+    for e in &w {
+        mass += e.1;
+        keep += 1;
+        if mass >= top_p as f64 * total {
+            break;
+        }
+    }
+    let kept = &w[..keep];
+    let sum: f64 = kept.iter().map(|e| e.1).sum();
+    kept.iter().map(|&(i, x)| (i, x / sum)).collect()
+}
+
+/// A 5,000-token row: logits on a coarse grid (many exact ties), some masked, one far above the rest.
+fn vocab_row(seed: u32) -> Vec<f32> {
+    let mut l: Vec<f32> = (0..5000u32)
+        .map(|i| {
+            let h = i.wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(40503)) >> 8;
+            if h % 101 == 0 {
+                f32::NEG_INFINITY
+            } else {
+                (h % 700) as f32 / 40.0 - 8.0
+            }
+        })
+        .collect();
+    if seed % 2 == 1 {
+        l[4321] = 12.0;
+    }
+    l
+}
+
+#[test]
+fn build_keeps_what_a_full_sort_keeps() {
+    for seed in 0..6 {
+        let l = vocab_row(seed);
+        for &(t, k, p) in &[
+            (1.0, 0, 0.9),
+            (0.7, 0, 0.5),
+            (1.3, 50, 1.0),
+            (1.0, 40, 0.8),
+            (0.05, 0, 0.99),
+            (3.0, 0, 0.999),
+            (1.0, 4999, 0.95),
+            (1.0, 1, 1.0),
+            (2.0, 0, 0.0),
+        ] {
+            let got = kept_probs(&l, t, k, p);
+            let want = sorted_reference(&l, t, k, p);
+            assert_eq!(got.len(), want.len(), "seed {seed} t {t} k {k} p {p}");
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g.0, w.0, "seed {seed} t {t} k {k} p {p}");
+                assert!((g.1 - w.1).abs() <= 1e-6 * w.1 + 1e-12, "seed {seed} t {t} k {k} p {p}: {g:?} vs {w:?}");
+            }
+        }
+        // Everything kept: the dense weights are softmax(l / T) over the unmasked tokens.
+        let got = kept_probs(&l, 0.8, 0, 1.0);
+        let want = sorted_reference(&l, 0.8, 0, 1.0);
+        assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), want.iter().map(|e| e.0).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn a_draw_lands_where_the_cumulative_weights_put_it() {
+    let l = vocab_row(3);
+    let d = dist::build(&l, 1.0, 0, 1.0, &mut Scratch::default());
+    let Dist::Dense { w, total, .. } = &d else { panic!("every token kept: dense weights") };
+    for u in [0.0, 1e-9, 0.1, 0.25, 0.5, 0.77, 0.999_999, 1.0 - 1e-15] {
+        let id = d.draw(u) as usize;
+        let below: f64 = w[..id].iter().map(|&x| x as f64).sum();
+        // Block sums are f32 within a block: positions agree to ~1e-7 of the total.
+        let slack = 1e-6 * total;
+        assert!(w[id] > 0.0 && below <= u * total + slack && u * total < below + w[id] as f64 + slack, "u {u}: {id}");
+    }
+    let sparse = dist::build(&l, 1.0, 3, 1.0, &mut Scratch::default());
+    let Dist::Sparse { items, .. } = &sparse else { panic!("top-k: sparse") };
+    assert_eq!(sparse.draw(0.0), items[0].0);
+    assert_eq!(sparse.draw(0.999_999_999), items[2].0);
+}
+
+#[test]
+fn residual_is_the_positive_part_of_p_minus_q() {
+    let l = ln(&[0.1, 0.2, 0.5, 0.2]);
+    let p = dist::build(&l, 1.0, 0, 1.0, &mut Scratch::default());
+    let q = dist::build(&ln(&[0.4, 0.2, 0.3, 0.1]), 1.0, 0, 1.0, &mut Scratch::default());
+    let Some(Dist::Sparse { items, total }) = Dist::residual(&p, &q) else { panic!("p > q somewhere") };
+    // p - q = (-0.3, 0, 0.2, 0.1): ids 2 and 3 with 2/3 and 1/3.
+    let got: Vec<(u32, f64)> = items.iter().map(|&(i, x)| (i, x / total)).collect();
+    assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 3]);
+    assert!((got[0].1 - 2.0 / 3.0).abs() < 1e-6 && (got[1].1 - 1.0 / 3.0).abs() < 1e-6, "{got:?}");
+    assert!(Dist::residual(&p, &p).is_none());
+    assert!((p.prob(2) - 0.5).abs() < 1e-6 && Dist::Point(3).prob(3) == 1.0 && Dist::Point(3).prob(2) == 0.0);
 }

@@ -7,15 +7,22 @@
 //! 3. Before `min_tokens` tokens (or always with `ignore_eos`), end-of-sequence and stop ids are masked out.
 //! 4. `temperature == 0` → argmax (lowest id wins a tie). Otherwise divide by T, keep the top-k (0 = all),
 //!    softmax, keep the smallest set whose mass ≥ top_p (ties in descending-probability order broken by lower
-//!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none).
+//!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none): one
+//!    uniform number per token, located in the cumulative weights — in id order when every token is kept, in
+//!    descending probability otherwise (`dist.rs`, which builds the distribution without sorting the vocabulary).
+
+mod dist;
 
 use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub use self::dist::Dist;
+use self::dist::Scratch;
 use crate::ensure_arg;
 use crate::error::Result;
+pub use crate::kernels::logits::argmax;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -81,12 +88,14 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
-    /// Tokens of prompt and output (for the repetition penalty).
+    /// Tokens of prompt and output (for the repetition penalty): membership by id, and the ids in a list.
     seen: Vec<bool>,
+    seen_ids: Vec<u32>,
     /// How often each token was generated (for presence/frequency).
     counts: HashMap<u32, u32>,
     generated: usize,
     eos: u32,
+    scratch: Scratch,
 }
 
 impl Sampler {
@@ -97,13 +106,25 @@ impl Sampler {
             Some(s) => ChaCha8Rng::seed_from_u64(s),
             None => ChaCha8Rng::from_rng(&mut rand::rng()),
         };
-        let mut seen = vec![false; vocab];
-        for &t in prompt {
-            if let Some(s) = seen.get_mut(t as usize) {
-                *s = true;
-            }
+        let mut s = Self {
+            params,
+            rng,
+            seen: vec![false; vocab],
+            seen_ids: Vec::new(),
+            counts: HashMap::new(),
+            generated: 0,
+            eos,
+            scratch: Scratch::default(),
+        };
+        prompt.iter().for_each(|&t| s.see(t));
+        s
+    }
+
+    fn see(&mut self, token: u32) {
+        if let Some(s) = self.seen.get_mut(token as usize).filter(|s| !**s) {
+            *s = true;
+            self.seen_ids.push(token);
         }
-        Self { params, rng, seen, counts: HashMap::new(), generated: 0, eos }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -112,9 +133,7 @@ impl Sampler {
 
     /// Record a generated token (penalty state and the min_tokens count).
     pub fn accept(&mut self, token: u32) {
-        if let Some(s) = self.seen.get_mut(token as usize) {
-            *s = true;
-        }
+        self.see(token);
         *self.counts.entry(token).or_insert(0) += 1;
         self.generated += 1;
     }
@@ -128,8 +147,10 @@ impl Sampler {
     pub fn process(&self, logits: &mut [f32]) {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
-            for (l, _) in logits.iter_mut().zip(&self.seen).filter(|(_, s)| **s) {
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            for &t in &self.seen_ids {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
             }
         }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
@@ -156,34 +177,30 @@ impl Sampler {
     /// Choose the next token from raw logits (modified in place).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         let dist = self.distribution(logits);
-        self.draw(&dist)
+        let token = self.draw(&dist);
+        if let Dist::Dense { w, blocks, .. } = dist {
+            (self.scratch.weights, self.scratch.blocks) = (w, blocks); // the buffers serve the next token
+        }
+        token
     }
 
-    /// The distribution `sample` draws from, normalised: steps 1–4 of the module doc. Greedy is a point mass.
-    pub fn distribution(&self, logits: &mut [f32]) -> Vec<(u32, f64)> {
+    /// The distribution `sample` draws from: steps 1–4 of the module doc. Greedy is a point mass.
+    pub fn distribution(&mut self, logits: &mut [f32]) -> Dist {
         self.process(logits);
-        if self.params.temperature == 0.0 {
-            return vec![(argmax(logits), 1.0)];
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return Dist::Point(argmax(logits));
         }
-        let mut c = candidates(logits, self.params.temperature, self.params.top_k, self.params.top_p);
-        let total: f64 = c.iter().map(|x| x.1).sum();
-        c.iter_mut().for_each(|x| x.1 /= total);
-        c
+        dist::build(logits, p.temperature, p.top_k, p.top_p, &mut self.scratch)
     }
 
-    /// Draw from a normalised distribution (a point mass takes no randomness).
-    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
-        if let [(only, _)] = dist {
-            return *only;
+    /// Draw from a distribution (one that holds a single token takes no randomness).
+    pub fn draw(&mut self, dist: &Dist) -> u32 {
+        match dist {
+            Dist::Point(t) => *t,
+            Dist::Sparse { items, .. } if items.len() == 1 => items[0].0,
+            _ => dist.draw(self.rng.random::<f64>()),
         }
-        let mut u = self.rng.random::<f64>() * dist.iter().map(|x| x.1).sum::<f64>();
-        for &(id, p) in dist {
-            if u < p {
-                return id;
-            }
-            u -= p;
-        }
-        dist.last().map_or(0, |c| c.0)
     }
 
     /// A uniform draw in [0, 1) from the request's RNG (speculative acceptance tests).
@@ -192,53 +209,5 @@ impl Sampler {
     }
 }
 
-/// Index of the largest logit; the lowest index among equals (NaN never wins; all NaN gives 0). The largest value
-/// is found 16 lanes at a time, then its first position.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = logits.chunks_exact(16);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (m, &v) in lanes.iter_mut().zip(c) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
-}
-
-/// The tokens that may be drawn, with unnormalised probabilities, in descending probability (ties: lower id first).
-pub fn candidates(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<(u32, f64)> {
-    let mut order: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
-    if order.is_empty() {
-        return vec![(argmax(logits), 1.0)];
-    }
-    // Stable sort by logit, descending: equal logits keep id order.
-    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-    if top_k > 0 && top_k < order.len() {
-        order.truncate(top_k);
-    }
-    let max = logits[order[0] as usize] as f64;
-    let t = temperature as f64;
-    let mut probs: Vec<(u32, f64)> =
-        order.iter().map(|&i| (i, ((logits[i as usize] as f64 - max) / t).exp())).collect();
-    let total: f64 = probs.iter().map(|p| p.1).sum();
-    if top_p < 1.0 {
-        let target = top_p as f64 * total;
-        let mut mass = 0.0;
-        let mut keep = 0;
-        for (_, p) in &probs {
-            mass += p;
-            keep += 1;
-            if mass >= target {
-                break;
-            }
-        }
-        probs.truncate(keep.max(1));
-    }
-    probs
-}
-
 #[cfg(test)]
-#[path = "sampler_tests.rs"]
 mod tests;
