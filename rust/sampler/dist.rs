@@ -115,7 +115,9 @@ pub fn build(logits: &[f32], t: f32, top_k: usize, top_p: f32, scratch: &mut Scr
     }
     let inv_t = 1.0 / t;
     let k = if top_k > 0 && top_k < logits.len() { top_k } else { 0 };
-    if k == 0 && top_p >= 1.0 {
+    // A temperature so small that 1/T overflows f32 (a subnormal T) takes the f64 path below: there the weights
+    // are 1 for the maxima and 0 for the rest, where the f32 pass would compute 0 · ∞.
+    if k == 0 && top_p >= 1.0 && inv_t.is_finite() {
         let (mut w, mut blocks) = (std::mem::take(&mut scratch.weights), std::mem::take(&mut scratch.blocks));
         let total = exp_weights(logits, max, inv_t, &mut w, &mut blocks);
         return Dist::Dense { w, blocks, total };

@@ -50,6 +50,15 @@ fn temperature_zero_is_argmax_with_lowest_id_on_ties() {
 }
 
 #[test]
+fn a_vanishing_temperature_draws_among_the_maxima() {
+    // 1/T overflows f32 at a subnormal T: the draw is still among the tied maxima, never a NaN-weighted pick.
+    let mut s = Sampler::new(params(|p| p.temperature = 1e-40), &[], 6, 5);
+    let draws: Vec<u32> = (0..200).map(|_| s.sample(&mut [0.0, 3.0, 1.0, 3.0, -1.0, 2.9])).collect();
+    assert!(draws.iter().all(|&t| t == 1 || t == 3), "{draws:?}");
+    assert!(draws.contains(&1) && draws.contains(&3));
+}
+
+#[test]
 fn argmax_takes_the_first_of_equal_maxima_across_lanes_and_tail_and_skips_nan() {
     let mut l = vec![0.5f32; 50];
     l[0] = f32::NAN;
