@@ -22,17 +22,19 @@ CLIENTS = 16
 # not hit the context-length 400 by construction on any prompt list change).
 SOAK_MODEL = dataclasses.replace(TINY, context_length=512, name="tiny-soak")
 
-# RSS after the warm-up (the first 20% of the soak, 6 s) may grow by 5% or 8 MiB, whichever is larger, between
+# RSS after the warm-up (the first 20% of the soak, 6 s) may grow by 10% or 16 MiB, whichever is larger, between
 # two levels: the median RSS over 6-16 s and over the last 10 s (windows of whole 10 s trim periods, so that the
 # saw-tooth of memory freed and handed back does not read as growth; tests/soak.py). The server tree (granian's
-# parent, ~39 MiB, + its worker) holds ~160 MiB here, so 5% is ~8 MiB. Single samples go up and down by 10-20 MiB
-# from one second to the next; the change between the two levels ranged -3.3%..+2.3% (mean +0.4%) over 8 runs.
-# What it catches: state that requests leave behind (a KV cache, ~20 KB per request on this model, a queue entry, a
-# task, a buffer) at roughly 20 KiB per request and more — 8 MiB over the ~400 requests between the middles of the
-# two windows. Smaller leaks are for the 10-minute bench (benches/bench_soak.py, RSS over ~20 times as many
-# requests, judged at 5%).
-RSS_GROWTH_REL = 0.05
-RSS_GROWTH_MIB = 8.0
+# parent, ~39 MiB, + its worker) holds ~160-180 MiB here. Over 30 s the levels are noisy, and more so on a busy
+# machine, where a slower server holds more requests in flight and takes longer to reach its working size: on a
+# quiet machine the change ranged -3.3%..+2.3% over 8 runs, on one shared with a compile and a CI run +3.6%..+8.6%
+# (6-14 MiB) over 8 runs, while in back-to-back soaks on one server the level stayed within 165-182 MiB for six
+# minutes, with no growth from one soak to the next. So 16 MiB: what it catches is state that requests leave
+# behind at ~40 KiB per request and more (16 MiB over the ~400 requests between the middles of the two windows).
+# Smaller leaks are for the 10-minute bench (benches/bench_soak.py, RSS over ~20 times as many requests, judged at
+# 5%).
+RSS_GROWTH_REL = 0.10
+RSS_GROWTH_MIB = 16.0
 
 
 @pytest.mark.slow
