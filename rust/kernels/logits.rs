@@ -99,6 +99,54 @@ fn exp_sum_below_block(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
     x.iter().filter(|&&v| v >= f32::MIN && v < below).map(|&v| ((v - max) * inv_t).exp()).sum()
 }
 
+/// How many x[i] are ≥ `at_least` (a count of `ids_at_least` without the ids).
+pub fn count_at_least(x: &[f32], at_least: f32) -> usize {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask).
+    unsafe {
+        use std::arch::x86_64::*;
+        let limit = _mm512_set1_ps(at_least);
+        x.chunks(16)
+            .map(|c| {
+                let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+                let v = _mm512_maskz_loadu_ps(load, c.as_ptr());
+                _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, limit).count_ones() as usize
+            })
+            .sum()
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+    x.iter().filter(|&&v| v >= at_least).count()
+}
+
+/// Logits per group of `group_maxima`.
+pub const GROUP: usize = 16;
+
+/// The largest value of each group of `GROUP` logits (NaN ignored; −∞ for a group with nothing else), into `out`
+/// (cleared first). Which logits share a group does not matter to the caller — each belongs to exactly one — so with
+/// AVX-512 a group is one lane of 16 consecutive vectors: a 256-logit block gives 16 maxima in 16 `vmaxps`.
+pub fn group_maxima(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask, −∞ elsewhere).
+    // `vmaxps` returns its second operand when either is NaN, so a NaN logit leaves the running maximum as it was.
+    unsafe {
+        use std::arch::x86_64::*;
+        let lowest = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut lanes = [0f32; 16];
+        for block in x.chunks(GROUP * 16) {
+            let mut acc = lowest;
+            for c in block.chunks(16) {
+                let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+                acc = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, load, c.as_ptr()), acc);
+            }
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+            out.extend_from_slice(&lanes);
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+    out.extend(x.chunks(GROUP).map(|c| c.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })));
+}
+
 /// The ids i with x[i] ≥ `at_least`, ascending, into `out` (cleared first).
 pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
     out.clear();
@@ -124,6 +172,50 @@ pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
     out.extend((0..x.len() as u32).filter(|&i| x[i as usize] >= at_least));
+}
+
+/// `Σ w[j]` over the ids ahead of `id` in descending order of `x` (ties: lower id first): x[j] > x[id], or
+/// x[j] = x[id] with j < id. Summed in f64 (each f32 weight widened), so the sum carries only the weights' own
+/// rounding. With AVX-512, 16 lanes at a time; ids before `id` are compared with ≥, the rest with >.
+pub fn mass_ahead(x: &[f32], w: &[f32], id: usize) -> f64 {
+    let pivot = x[id];
+    let (before, after) = (x.split_at(id), w.split_at(id));
+    mass_where::<true>(before.0, after.0, pivot) + mass_where::<false>(before.1, after.1, pivot)
+}
+
+/// `Σ w[j]` over x[j] ≥ `pivot` (`OR_EQUAL`) or x[j] > `pivot`.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
+    use std::arch::x86_64::*;
+    // SAFETY: avx512f is enabled at compile time; `x` and `w` have one length and loads stay inside them (the tail
+    // through a mask).
+    unsafe {
+        let p = _mm512_set1_ps(pivot);
+        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        for (xc, wc) in x.chunks(16).zip(w.chunks(16)) {
+            let load: __mmask16 = if xc.len() == 16 { !0 } else { (1u16 << xc.len()) - 1 };
+            let v = _mm512_maskz_loadu_ps(load, xc.as_ptr());
+            let hit = if OR_EQUAL {
+                _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, p)
+            } else {
+                _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(load, v, p)
+            };
+            if hit != 0 {
+                let wv = _mm512_maskz_loadu_ps(hit, wc.as_ptr());
+                lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(wv)));
+                hi = _mm512_add_pd(
+                    hi,
+                    _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(wv)))),
+                );
+            }
+        }
+        _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
+    x.iter().zip(w).filter(|(&v, _)| v > pivot || (OR_EQUAL && v == pivot)).map(|(_, &m)| m as f64).sum()
 }
 
 /// `bucket[j] = min(255, ⌊(hi − x[j]) · scale⌋)`: the histogram bin of each logit (a monotone function of it).
@@ -228,10 +320,28 @@ mod tests {
                 let e = ((v as f64 - max as f64) * inv_t as f64).exp();
                 assert!((g - e).abs() <= 4.0 * f64::EPSILON * e, "exp({}) = {g}, want {e}", v - max);
             }
+            // Ties on the grid of `row`: the pivot's equals count ahead of it only from lower ids.
+            for id in [0, 3, n / 2, n - 1, n / 3].into_iter().filter(|&i| i < n) {
+                let pivot = x[id];
+                let ahead = |j: usize| x[j] > pivot || (x[j] == pivot && j < id);
+                let want: f64 = (0..n).filter(|&j| ahead(j)).map(|j| w[j] as f64).sum();
+                assert!((mass_ahead(&x, &w, id) - want).abs() <= 1e-12 * want, "id {id}");
+            }
             let mut ids = Vec::new();
             ids_at_least(&x, below, &mut ids);
             let expected: Vec<u32> = (0..n as u32).filter(|&i| x[i as usize] >= below).collect();
             assert_eq!(ids, expected);
+            assert_eq!(count_at_least(&x, below), expected.len());
+            // Each logit in one group: as many maxima as groups (x.len() / 16, rounded up to whole 256-blocks with
+            // AVX-512), and for any threshold, k maxima at or above it mean k to 16k logits at or above it.
+            let mut maxima = Vec::new();
+            group_maxima(&x, &mut maxima);
+            assert!(maxima.len() >= n.div_ceil(GROUP) && maxima.len() <= n.div_ceil(GROUP * 16) * 16);
+            assert_eq!(max_value(&maxima), max);
+            for threshold in [max, below, max - 3.0, f32::MIN] {
+                let (groups, logits) = (count_at_least(&maxima, threshold), count_at_least(&x, threshold));
+                assert!(groups <= logits && logits <= GROUP * groups, "{threshold}: {groups} groups, {logits} logits");
+            }
         }
     }
 }

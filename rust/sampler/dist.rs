@@ -10,7 +10,10 @@
 //! cut with a histogram (`nucleus`), and either way the kept set is the one a full sort would give. The gathered
 //! weights are f64 (the cut compares sums); the mass outside them (top-p's denominator) comes from one masked pass.
 
-use crate::kernels::logits::{argmax, buckets, exp_f64, exp_sum_below, exp_weights, ids_at_least, max_value, BLOCK};
+use crate::kernels::logits::{
+    argmax, buckets, count_at_least, exp_f64, exp_sum_below, exp_weights, group_maxima, ids_at_least, mass_ahead,
+    max_value, BLOCK,
+};
 
 /// A distribution over token ids; weights are unnormalised, summing to `total`.
 #[derive(Debug, Clone)]
@@ -47,23 +50,7 @@ impl Dist {
                 }
                 items.iter().rev().find(|e| e.1 > 0.0).map_or(0, |e| e.0)
             }
-            Dist::Dense { w, blocks, total } => {
-                let mut left = u * total;
-                for (b, &mass) in blocks.iter().enumerate() {
-                    if left >= mass {
-                        left -= mass;
-                        continue;
-                    }
-                    for (i, &x) in w[b * BLOCK..].iter().take(BLOCK).enumerate() {
-                        if left < x as f64 {
-                            return (b * BLOCK + i) as u32;
-                        }
-                        left -= x as f64;
-                    }
-                }
-                // Rounding left `left` just past the last weight: the last id that can be drawn.
-                w.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
-            }
+            Dist::Dense { w, blocks, total } => draw_dense(w, blocks, *total, u),
         }
     }
 
@@ -95,6 +82,26 @@ impl Dist {
     }
 }
 
+/// The id at `u ∈ [0, 1)` of the cumulative dense weights `w` (block sums `blocks`, total `total`): ~50 block sums
+/// walked, then one block.
+fn draw_dense(w: &[f32], blocks: &[f64], total: f64, u: f64) -> u32 {
+    let mut left = u * total;
+    for (b, &mass) in blocks.iter().enumerate() {
+        if left >= mass {
+            left -= mass;
+            continue;
+        }
+        for (i, &x) in w[b * BLOCK..].iter().take(BLOCK).enumerate() {
+            if left < x as f64 {
+                return (b * BLOCK + i) as u32;
+            }
+            left -= x as f64;
+        }
+    }
+    // Rounding left `left` just past the last weight: the last id that can be drawn.
+    w.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
+}
+
 /// Reusable buffers of `build`: the dense weights, and the gathered ids with their logits and weights.
 #[derive(Debug, Default)]
 pub struct Scratch {
@@ -104,6 +111,7 @@ pub struct Scratch {
     values: Vec<f32>,
     head_weights: Vec<f64>,
     bins: Vec<u8>,
+    maxima: Vec<f32>,
 }
 
 /// The distribution of `logits` at temperature `t` (> 0) with `top_k` (0 = all) and `top_p`: the tokens with the
@@ -125,8 +133,8 @@ pub fn build(logits: &[f32], t: f32, top_k: usize, top_p: f32, scratch: &mut Scr
     // The threshold widens by 4x in distance from the max; the smallest finite logit (found only if the first
     // threshold is not enough) bounds it, and a threshold at that bound gathers every finite logit.
     let (mut delta, mut lowest) = ((8.0 * t).max(1e-3), None);
-    let mut threshold = max - delta;
-    let mut everything = false;
+    let (mut threshold, mut everything) =
+        if k > 0 { top_k_threshold(logits, max, k, t, &mut scratch.maxima) } else { (max - delta, false) };
     let mut widen = |threshold: &mut f32, everything: &mut bool| {
         let lo = *lowest.get_or_insert_with(|| logits.iter().copied().filter(|&l| l >= f32::MIN).fold(max, f32::min));
         delta *= 4.0;
@@ -172,6 +180,80 @@ pub fn build(logits: &[f32], t: f32, top_k: usize, top_p: f32, scratch: &mut Scr
             }
         }
     }
+}
+
+/// A threshold with at least `k` logits at or above it and not many more: `(f32::MIN, true)` — every finite logit —
+/// when no more than k are finite. The search runs over the maxima of groups of 16 logits (`group_maxima`, one
+/// vector pass), 16 times fewer values: k maxima at or above a threshold mean at least k logits there and at most
+/// 16k, where a search over the logits themselves took a pass over the vocabulary per step. (With fewer than k
+/// finite maxima it searches the logits.)
+fn top_k_threshold(logits: &[f32], max: f32, k: usize, t: f32, maxima: &mut Vec<f32>) -> (f32, bool) {
+    if count_at_least(logits, f32::MIN) <= k {
+        return (f32::MIN, true);
+    }
+    group_maxima(logits, maxima);
+    let values = if count_at_least(maxima, f32::MIN) >= k { &maxima[..] } else { logits };
+    (narrow(values, max, k, t), false)
+}
+
+/// A threshold with at least `k` of `values` at or above it (at least k are finite) and, where ties allow, at most
+/// `NARROW_SLACK` more: counting passes (`count_at_least`, no ids stored) widen the distance from the max 4x at a
+/// time from the temperature until k values are in, then halve the gap between the last two thresholds.
+fn narrow(values: &[f32], max: f32, k: usize, t: f32) -> f32 {
+    let count = |threshold: f32| count_at_least(values, threshold);
+    let (mut delta, mut above) = (t.max(1e-3), max);
+    let mut below = (max - delta).max(f32::MIN);
+    let mut n = count(below);
+    while n < k {
+        (above, delta) = (below, delta * 4.0);
+        below = (max - delta).max(f32::MIN);
+        n = count(below);
+    }
+    for _ in 0..32 {
+        let mid = below + (above - below) / 2.0;
+        if n <= k + NARROW_SLACK || mid <= below || mid >= above {
+            break;
+        }
+        match count(mid) {
+            c if c >= k => (below, n) = (mid, c),
+            _ => above = mid,
+        }
+    }
+    below
+}
+
+/// Values past k at which `narrow` stops.
+const NARROW_SLACK: usize = 16;
+
+/// The smallest top-p that `draw_nucleus` serves: a draw lands in the nucleus with probability ≥ top-p, so below
+/// this more than four draws would be expected and `build` finds the cut instead.
+pub const REJECTION_TOP_P: f32 = 0.25;
+
+/// Draws `draw_nucleus` makes before it gives up (at top-p ≥ 0.25 it does so less often than once in 100).
+const NUCLEUS_TRIES: usize = 16;
+
+/// A token from the top-p nucleus at temperature `t`, by rejection: draw from every token (the dense weights of
+/// `build`), keep the draw if the mass ahead of it in descending order (`mass_ahead`, one vector pass) is below
+/// top-p of the total — that is, if it lies in the nucleus — and draw again if not. An accepted draw has
+/// probability p(x) / p(nucleus): the nucleus distribution exactly, with no cut to find. None after
+/// `NUCLEUS_TRIES` misses (or where the dense pass does not apply); the caller then draws from `build`'s
+/// distribution, and the mixture of the two is still exact.
+pub fn draw_nucleus(
+    logits: &[f32],
+    t: f32,
+    top_p: f32,
+    scratch: &mut Scratch,
+    mut uniform: impl FnMut() -> f64,
+) -> Option<u32> {
+    let (max, inv_t) = (max_value(logits), 1.0 / t);
+    if max == f32::NEG_INFINITY || !inv_t.is_finite() {
+        return None;
+    }
+    let Scratch { weights: w, blocks, .. } = scratch;
+    let total = exp_weights(logits, max, inv_t, w, blocks);
+    let target = top_p as f64 * total;
+    let mut draws = (0..NUCLEUS_TRIES).map(|_| draw_dense(w, blocks, total, uniform()));
+    draws.find(|&id| mass_ahead(logits, w, id as usize) < target)
 }
 
 /// Buckets of `nucleus`' histogram.

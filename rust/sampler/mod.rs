@@ -7,9 +7,12 @@
 //! 3. Before `min_tokens` tokens (or always with `ignore_eos`), end-of-sequence and stop ids are masked out.
 //! 4. `temperature == 0` → argmax (lowest id wins a tie). Otherwise divide by T, keep the top-k (0 = all),
 //!    softmax, keep the smallest set whose mass ≥ top_p (ties in descending-probability order broken by lower
-//!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none): one
-//!    uniform number per token, located in the cumulative weights — in id order when every token is kept, in
-//!    descending probability otherwise (`dist.rs`, which builds the distribution without sorting the vocabulary).
+//!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none): a
+//!    uniform number located in the cumulative weights — in id order when every token is kept, in descending
+//!    probability otherwise (`dist.rs`, which builds the distribution without sorting the vocabulary). Top-p
+//!    without top-k draws from every token and redraws until the draw lies in the nucleus, which is the nucleus
+//!    distribution exactly and needs no cut (`dist::draw_nucleus`); the built distribution serves speculative
+//!    verification, which needs the probabilities themselves.
 
 mod dist;
 
@@ -176,7 +179,19 @@ impl Sampler {
 
     /// Choose the next token from raw logits (modified in place).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
-        let dist = self.distribution(logits);
+        self.process(logits);
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return argmax(logits);
+        }
+        if p.top_k == 0 && (dist::REJECTION_TOP_P..1.0).contains(&p.top_p) {
+            let rng = &mut self.rng;
+            if let Some(token) = dist::draw_nucleus(logits, p.temperature, p.top_p, &mut self.scratch, || rng.random())
+            {
+                return token;
+            }
+        }
+        let dist = dist::build(logits, p.temperature, p.top_k, p.top_p, &mut self.scratch);
         let token = self.draw(&dist);
         if let Dist::Dense { w, blocks, .. } = dist {
             (self.scratch.weights, self.scratch.blocks) = (w, blocks); // the buffers serve the next token

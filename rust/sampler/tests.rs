@@ -177,6 +177,37 @@ fn sampling_frequencies_match_softmax() {
 }
 
 #[test]
+fn rejection_top_p_draws_the_nucleus_distribution() {
+    // 40 tokens on a grid with ties. At top-p 0.6 the draws (by rejection from all 40) must match the nucleus of a
+    // full sort; at 0.3 more than half of the draws miss, so some tokens come from the fallback to `build`.
+    let logits: Vec<f32> = (0..40u32).map(|i| ((i * 7) % 13) as f32 / 4.0).collect();
+    for (top_p, seed) in [(0.6, 1), (0.3, 2)] {
+        let mut s = Sampler::new(
+            params(|p| {
+                p.top_p = top_p;
+                p.seed = Some(seed);
+            }),
+            &[],
+            logits.len(),
+            99,
+        );
+        let draws = 40_000;
+        let mut counts = vec![0f64; logits.len()];
+        for _ in 0..draws {
+            counts[s.sample(&mut logits.clone()) as usize] += 1.0;
+        }
+        let want = sorted_reference(&logits, 1.0, 0, top_p);
+        let inside: f64 = want.iter().map(|e| counts[e.0 as usize]).sum();
+        assert_eq!(inside, draws as f64, "top-p {top_p}: drew outside the nucleus");
+        let chi: f64 =
+            want.iter().map(|&(id, p)| (counts[id as usize] - p * draws as f64).powi(2) / (p * draws as f64)).sum();
+        // The 0.999 quantile of chi-square with df = |nucleus| - 1 is below 3·df + 12 for these sizes (df ≤ 25).
+        let df = (want.len() - 1) as f64;
+        assert!(chi < 3.0 * df + 12.0, "top-p {top_p}: chi {chi}, df {df}");
+    }
+}
+
+#[test]
 fn chi_square_detects_a_wrong_temperature() {
     // The statistic has power: draws at T = 0.7 judged against T = 1.0 fail clearly.
     let logits = vec![1.0f32, 2.0, 0.5, -1.0, 1.5, 0.0];
@@ -278,6 +309,21 @@ fn build_keeps_what_a_full_sort_keeps() {
         let got = kept_probs(&l, 0.8, 0, 1.0);
         let want = sorted_reference(&l, 0.8, 0, 1.0);
         assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), want.iter().map(|e| e.0).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn top_k_over_few_finite_groups_keeps_what_a_full_sort_keeps() {
+    // 120 finite logits in a run (a handful of groups of 16) among 5,000 masked ones: fewer group maxima than k, so
+    // the threshold search runs over the logits themselves.
+    let mut l = vec![f32::NEG_INFINITY; 5000];
+    for (i, x) in l[2000..2120].iter_mut().enumerate() {
+        *x = ((i * 37) % 29) as f32 / 7.0;
+    }
+    for &(k, p) in &[(50, 1.0), (100, 0.9), (119, 1.0), (120, 1.0), (121, 0.5)] {
+        let got: Vec<u32> = kept_probs(&l, 1.0, k, p).into_iter().map(|e| e.0).collect();
+        let want: Vec<u32> = sorted_reference(&l, 1.0, k, p).into_iter().map(|e| e.0).collect();
+        assert_eq!(got, want, "k {k} p {p}");
     }
 }
 
