@@ -12,6 +12,7 @@
 //! every step while a newcomer's prompt goes in; such a step returns no token and no finish.
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use super::chain::ChainRound;
 use super::plan::Speculative;
@@ -139,22 +140,36 @@ fn verify_pass(
         .collect::<candle_core::Result<_>>()?)
 }
 
-/// Hand each member its logit rows, in order: a round's `k` verification rows, a plain member's one row.
+/// Hand each member its logit rows, in order: a round's `k` verification rows, a plain member's one row. Choosing
+/// the tokens (sampling, or verifying a round) is each member's own work, so the members are spread over the pool:
+/// with 16 sampled streams it is 16 passes over the vocabulary.
 fn hand_out(members: &mut [Member], rounds: Vec<Option<ChainRound>>, logits: Vec<Vec<f32>>) -> Result<()> {
+    enum Rows {
+        Round(ChainRound, Vec<Vec<f32>>),
+        Plain { fed: usize, row: Vec<f32> },
+    }
     let mut logits = logits.into_iter();
+    let mut work = Vec::with_capacity(members.len());
     for (m, round) in members.iter_mut().zip(rounds) {
-        match (&m.work, round) {
+        let rows = match (&m.work, round) {
             (Work::Chain(_), Some(round)) => {
-                let rows: Vec<Vec<f32>> = logits.by_ref().take(round.k).collect();
-                round.finish(m.seq, rows);
+                let rows = logits.by_ref().take(round.k).collect();
+                Rows::Round(round, rows)
             }
-            (Work::Plain(feed), _) => {
-                let mut row = logits.next().ok_or_else(|| Error::Internal("a batched row has no logits".into()))?;
-                let step = m.seq.finish_step(feed.len(), &mut row);
-                m.seq.ready.push_back(step);
+            (Work::Plain(feed), None) => {
+                let row = logits.next().ok_or_else(|| Error::Internal("a batched row has no logits".into()))?;
+                Rows::Plain { fed: feed.len(), row }
             }
             _ => return Err(Error::Internal("a chain member without its round".into())),
-        }
+        };
+        work.push((&mut *m.seq, rows));
     }
+    work.into_par_iter().for_each(|(seq, rows)| match rows {
+        Rows::Round(round, rows) => round.finish(seq, rows),
+        Rows::Plain { fed, mut row } => {
+            let step = seq.finish_step(fed, &mut row);
+            seq.ready.push_back(step);
+        }
+    });
     Ok(())
 }
