@@ -17,6 +17,7 @@ from tinyloop import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_models import model_path
+from streams import step_until_done
 
 TOKENS = 32
 CASES = [(w, n) for w in ("fp16", "int8", "int4 RTN") for n in (1, 4, 16)]
@@ -25,12 +26,7 @@ CASES = [(w, n) for w in ("fp16", "int8", "int4 RTN") for n in (1, 4, 16)]
 def _run(engine, n: int) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     streams = [engine.stream([464 + i, 3290, 318], params, loops=8) for i in range(n)]
-    produced = 0
-    while streams:
-        events = engine.step_many(streams)
-        produced += sum(ev.token_id >= 0 for ev in events)
-        streams = [s for s, ev in zip(streams, events, strict=True) if ev.finish_reason is None]
-    return produced
+    return step_until_done(engine, streams)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].replace(' ', '_')}-{c[1]}streams")

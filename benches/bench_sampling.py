@@ -25,6 +25,7 @@ from tinyloop import Generation, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_models import DEFAULT
+from streams import step_until_done
 
 TOKENS = 128
 BATCH, BATCH_TOKENS = 16, 32
@@ -57,12 +58,7 @@ def _batch(engine, sampling: dict, loops: int, seed: int) -> int:
         return Generation(params, loops=loops)
 
     streams = [engine.stream([464 + i, 3290, 318], generation(i)) for i in range(BATCH)]
-    produced = 0
-    while streams:
-        events = engine.step_many(streams)
-        produced += sum(ev.token_id >= 0 for ev in events)
-        streams = [s for s, ev in zip(streams, events, strict=True) if ev.finish_reason is None]
-    return produced
+    return step_until_done(engine, streams)
 
 
 @pytest.mark.parametrize(
