@@ -1,10 +1,17 @@
-"""tinyloop next to llama.cpp (llama-cpp-python) on the same weights: the model exported with
-`tinyloop export-llama` (k layers x L loops unrolled into a k*L-layer llama GGUF, same tensor types), greedy,
-2 threads each.
+"""tinyloop next to llama.cpp (llama-cpp-python) and, in decode, mistral.rs (the `mistralrs` wheel: Rust, candle
+and PyO3 like tinyloop) on the same weights: the model exported with `tinyloop export-llama` (k layers x L loops
+unrolled into a k*L-layer llama GGUF, same tensor types), greedy, 2 threads each.
 
     pip install llama-cpp-python        # compiles llama.cpp (~5 min); not a dependency of the package or the tests
+    pip install mistralrs               # optional: without it the mistral.rs cases are skipped
     pytest benches/bench_llama.py --benchmark-json=.benchmarks/llama.json
     python benches/report_llama.py .benchmarks/llama.json    # the table in docs/performance.md
+
+mistral.rs loads the GGUF from its folder offline (`HF_HUB_OFFLINE=1`) with the tokenizer the file carries; the
+file has no chat template, so it gets a completion request with the prompt as text. Its `Runner` has no thread
+setting: it sizes its rayon pool from `RAYON_NUM_THREADS`, set to 2 before it starts. Its greedy text is compared
+with tinyloop's and the agreement recorded (`extra_info["greedy_match"]`), not asserted: past an end-of-text token
+the two differ by design (with `ignore_eos` mistral.rs emits it and goes on, tinyloop takes the runner-up).
 
 `test_greedy_tokens_identical` is the correctness check of the export: llama.cpp's greedy tokens equal tinyloop's
 for 20 prompts on each model. These CPUs have no AMX, so ggml's AMX path (ggml-org/llama.cpp#20824) cannot trigger;
@@ -13,6 +20,7 @@ on a machine with AMX, build llama-cpp-python with CMAKE_ARGS="-DGGML_AMX=OFF" (
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -124,24 +132,48 @@ def _engine(src: Path) -> tinyloop.Engine:
     return tinyloop.Engine(src, max_seq_len=1024)
 
 
-@pytest.mark.parametrize("engine_name", ["tinyloop", "tinyloop-spec", "llama.cpp"])
+def _mistralrs(gguf: Path):
+    """A mistral.rs runner on the GGUF (skips the case without the wheel), and a function decoding n greedy tokens
+    of a text prompt: (text, completion tokens)."""
+    mistralrs = pytest.importorskip("mistralrs")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("RAYON_NUM_THREADS", str(THREADS))
+    which = mistralrs.Which.GGUF(quantized_model_id=str(gguf.parent), quantized_filename=gguf.name)
+    runner = mistralrs.Runner(which=which, prefix_cache_n=0)  # every round prefills its prompt, as tinyloop's do
+
+    def greedy(prompt: str, n: int) -> tuple[str, int]:
+        request = mistralrs.CompletionRequest(
+            prompt=prompt, model=runner.get_default_model_id(), max_tokens=n, temperature=0.0, ignore_eos=True
+        )
+        response = runner.send_completion_request(request)
+        return response.choices[0].text, response.usage.completion_tokens
+
+    return greedy
+
+
+@pytest.mark.parametrize("engine_name", ["tinyloop", "tinyloop-spec", "llama.cpp", "mistral.rs"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_decode(benchmark, case, engine_name):
     name, wt = case
     src, gguf = _files(name, wt)
     n = DECODE[name]
     prompt = [464, 3290, 318]
+    engine = _engine(src)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    info = dict(kind="decode", model=name, weight_type=wt, engine=engine_name, tokens=n)
     if engine_name.startswith("tinyloop"):
-        engine = _engine(src)
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         draft = SPEC if engine_name == "tinyloop-spec" else None
-        run = lambda: engine.generate(prompt, params, loops=LOOPS, draft=draft).tokens  # noqa: E731
-    else:
+        run = lambda: len(engine.generate(prompt, params, loops=LOOPS, draft=draft).tokens)  # noqa: E731
+    elif engine_name == "llama.cpp":
         llm = _llama(gguf)
-        run = lambda: _llama_greedy(llm, prompt, n)  # noqa: E731
-    out = benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
-    assert len(out) == n
-    benchmark.extra_info.update(kind="decode", model=name, weight_type=wt, engine=engine_name, tokens=n)
+        run = lambda: len(_llama_greedy(llm, prompt, n))  # noqa: E731
+    else:
+        greedy, text = _mistralrs(gguf), engine.decode(prompt)
+        run = lambda: greedy(text, n)[1]  # noqa: E731
+        info["greedy_match"] = greedy(text, n)[0] == engine.generate(prompt, params, loops=LOOPS).text
+    produced = benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
+    assert produced == n
+    benchmark.extra_info.update(info)
 
 
 @pytest.mark.parametrize("engine_name", ["tinyloop", "llama.cpp"])

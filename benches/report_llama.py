@@ -1,5 +1,5 @@
-"""Table of tinyloop vs llama.cpp from a pytest-benchmark JSON of benches/bench_llama.py (one run, same machine):
-tokens/s of each and the ratio tinyloop / llama.cpp.
+"""Table of tinyloop vs its peers from a pytest-benchmark JSON of benches/bench_llama.py (one run, same machine):
+tokens/s of each and the ratios tinyloop / llama.cpp and tinyloop / mistral.rs (where mistral.rs ran).
 
     python benches/report_llama.py .benchmarks/llama.json
 """
@@ -14,6 +14,7 @@ from collections import defaultdict
 def main(path: str) -> int:
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
     rss: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    matches: dict[str, bool] = {}
     for b in json.load(open(path))["benchmarks"]:
         e = b["extra_info"]
         if "engine" not in e:
@@ -22,15 +23,22 @@ def main(path: str) -> int:
             rss[(e["model"], e["weight_type"])][e["engine"]] = e["rss_mib"]
             continue
         rows[(e["kind"], e["model"], e["weight_type"])][e["engine"]] = e["tokens"] / b["stats"]["min"]
-    print("| measure | model | weights | tinyloop tok/s | llama.cpp tok/s | tinyloop / llama.cpp |")
-    print("|---|---|---|---|---|---|")
+        if "greedy_match" in e:
+            matches[f"{e['model']} {e['weight_type']}"] = e["greedy_match"]
+    peers = [p for p in ("llama.cpp", "mistral.rs") if any(p in r for r in rows.values())]
+    print(
+        "| measure | model | weights | tinyloop tok/s | "
+        + " | ".join(f"{p} tok/s | tinyloop / {p}" for p in peers)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|---|" * len(peers))
     for (kind, model, wt), r in sorted(rows.items()):
         for ours, label in (("tinyloop", kind), ("tinyloop-spec", f"{kind}, self-speculative (2, 4) vs plain")):
-            if ours in r and "llama.cpp" in r:
-                print(
-                    f"| {label} | {model} | {wt} | {r[ours]:.1f} | {r['llama.cpp']:.1f} | "
-                    f"{r[ours] / r['llama.cpp']:.2f}× |"
-                )
+            if ours in r:
+                cells = [f"{r[p]:.1f} | {r[ours] / r[p]:.2f}×" if p in r else "— | —" for p in peers]
+                print(f"| {label} | {model} | {wt} | {r[ours]:.1f} | " + " | ".join(cells) + " |")
+    if matches:
+        print("\nmistral.rs's greedy text equal to tinyloop's: " + ", ".join(f"{k} {v}" for k, v in matches.items()))
     if rss:
         print()
         print("| model | weights | tinyloop peak RSS (MiB) | llama.cpp peak RSS (MiB) |")
