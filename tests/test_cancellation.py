@@ -22,7 +22,8 @@ from serverutil import running_server
 from tinyloop import SamplingParams
 
 LOAD = 3  # long streams that keep the engine busy throughout
-LONG = {"max_tokens": 8000, "loops": 16}
+# No trial may end by itself before the client leaves: no end-of-text, no stop string (the chat trial's are off).
+LONG = {"max_tokens": 8000, "loops": 16, "ignore_eos": True}
 
 
 def metrics(base: str) -> dict:
@@ -73,69 +74,86 @@ def server(tiny_long):
 
 
 def test_200_disconnects_at_random_points_under_load(server, tiny_long):
-    rng = random.Random(1234)
-    load = [open_request(server, "/generate", {"prompt": f"load {i}", "stream": True, **LONG}) for i in range(LOAD)]
-    for s in load:
-        read_events(s, 1)
-    wait_for(server, "load running", running(LOAD))
-    start = metrics(server)
-    closes = 0
-    kinds = ["queued", "prefill", "stream", "speculative", "whole"]
-    for trial in range(200):
-        kind = kinds[trial % len(kinds)]
-        if kind == "queued":  # a fourth stream takes the last slot, so the trial waits; neither is answered yet
-            blocker = open_request(server, "/generate", {"prompt": "block", "stream": True, **LONG})
-            wait_for(server, "blocker running", running(LOAD + 1))
-            s = open_request(server, "/v1/completions", {"model": "m", "prompt": "queued", **LONG})
-            wait_for(server, "trial queued", lambda m: m["tinyloop_requests_waiting"] == 1)
+    opened: list[socket.socket] = []  # closed at the end, whatever happens: no socket outlives the test
+
+    def request(path: str, body: dict) -> socket.socket:
+        opened.append(open_request(server, path, body))
+        return opened[-1]
+
+    try:
+        rng = random.Random(1234)
+        load = [request("/generate", {"prompt": f"load {i}", "stream": True, **LONG}) for i in range(LOAD)]
+        for s in load:
+            read_events(s, 1)
+        wait_for(server, "load running", running(LOAD))
+        start = metrics(server)
+        closes = 0
+        kinds = ["queued", "prefill", "stream", "speculative", "whole"]
+        for trial in range(200):
+            kind = kinds[trial % len(kinds)]
+            if kind == "queued":  # a fourth stream takes the last slot, so the trial waits; neither is answered yet
+                blocker = request("/generate", {"prompt": "block", "stream": True, **LONG})
+                wait_for(server, "blocker running", running(LOAD + 1))
+                s = request("/v1/completions", {"model": "m", "prompt": "queued", **LONG})
+                wait_for(server, "trial queued", lambda m: m["tinyloop_requests_waiting"] == 1)
+                s.close()
+                wait_for(server, "queued trial dropped", lambda m: m["tinyloop_requests_waiting"] == 0)
+                blocker.close()
+                closes += 2
+            else:
+                if kind == "prefill":  # 1,000 prompt tokens: four prefill chunks
+                    prompt = [rng.randrange(50000) for _ in range(1000)]
+                    s = request("/generate", {"prompt": prompt, **LONG, "max_tokens": 6000})
+                    wait_for(server, "prefill running", running(LOAD + 1))
+                elif kind == "stream":
+                    s = request(
+                        "/v1/chat/completions",
+                        {
+                            "model": "m",
+                            "stream": True,
+                            "temperature": 0.8,
+                            "seed": trial,
+                            "stop": [],
+                            "messages": [{"role": "user", "content": "hi"}],
+                            **LONG,
+                        },
+                    )
+                    read_events(s, rng.randrange(1, 20))
+                elif kind == "speculative":
+                    s = request(
+                        "/generate/speculative",
+                        {
+                            "prompt": "spec",
+                            "stream": True,
+                            "draft_loops": 2,
+                            "verify_loops": 16,
+                            "max_tokens": 8000,
+                            "ignore_eos": True,
+                        },
+                    )
+                    read_events(s, rng.randrange(1, 20))
+                else:  # non-streamed: nothing is answered until the whole generation is done
+                    s = request("/generate", {"prompt": "whole", **LONG})
+                    wait_for(server, "whole running", running(LOAD + 1))
+                s.close()
+                closes += 1
+            wait_for(server, f"trial {trial} ({kind}) still running", running(LOAD))
+        end = metrics(server)
+        assert end["tinyloop_client_disconnects_total"] - start["tinyloop_client_disconnects_total"] == closes
+        steps = {
+            k: end["tinyloop_cancel_steps_bucket"][k] - start["tinyloop_cancel_steps_bucket"].get(k, 0.0)
+            for k in end["tinyloop_cancel_steps_bucket"]
+        }
+        # Every close reached the engine, which dropped the request within 2 steps (a waiting one at once: 0 steps).
+        assert steps["+Inf"] == closes and steps["2.0"] == closes and steps["0.0"] >= 200 // len(kinds), steps
+        for s in load:
             s.close()
-            wait_for(server, "queued trial dropped", lambda m: m["tinyloop_requests_waiting"] == 0)
-            blocker.close()
-            closes += 2
-        else:
-            if kind == "prefill":  # 1,000 prompt tokens: four prefill chunks
-                prompt = [rng.randrange(50000) for _ in range(1000)]
-                s = open_request(server, "/generate", {"prompt": prompt, **LONG, "max_tokens": 6000})
-                wait_for(server, "prefill running", running(LOAD + 1))
-            elif kind == "stream":
-                s = open_request(
-                    server,
-                    "/v1/chat/completions",
-                    {
-                        "model": "m",
-                        "stream": True,
-                        "temperature": 0.8,
-                        "messages": [{"role": "user", "content": "hi"}],
-                        **LONG,
-                    },
-                )
-                read_events(s, rng.randrange(1, 20))
-            elif kind == "speculative":
-                s = open_request(
-                    server,
-                    "/generate/speculative",
-                    {"prompt": "spec", "stream": True, "draft_loops": 2, "verify_loops": 16, "max_tokens": 8000},
-                )
-                read_events(s, rng.randrange(1, 20))
-            else:  # non-streamed: nothing is answered until the whole generation is done
-                s = open_request(server, "/generate", {"prompt": "whole", **LONG})
-                wait_for(server, "whole running", running(LOAD + 1))
+        idle = wait_for(server, "load still running", running(0))
+        assert idle["tinyloop_kv_cache_bytes"] == 0
+        engine = tinyloop.Engine(tiny_long.path)
+        want = engine.generate("after", SamplingParams(temperature=0.0, max_tokens=16), loops=8).tokens
+        got = httpx.post(f"{server}/generate", json={"prompt": "after", "max_tokens": 16}, timeout=30).json()["tokens"]
+        assert got == want
+    finally:
+        for s in opened:
             s.close()
-            closes += 1
-        wait_for(server, f"trial {trial} ({kind}) still running", running(LOAD))
-    end = metrics(server)
-    assert end["tinyloop_client_disconnects_total"] - start["tinyloop_client_disconnects_total"] == closes
-    steps = {
-        k: end["tinyloop_cancel_steps_bucket"][k] - start["tinyloop_cancel_steps_bucket"].get(k, 0.0)
-        for k in end["tinyloop_cancel_steps_bucket"]
-    }
-    # Every close reached the engine, which dropped the request within 2 steps (a waiting one at once: 0 steps).
-    assert steps["+Inf"] == closes and steps["2.0"] == closes and steps["0.0"] >= 200 // len(kinds), steps
-    for s in load:
-        s.close()
-    idle = wait_for(server, "load still running", running(0))
-    assert idle["tinyloop_kv_cache_bytes"] == 0
-    engine = tinyloop.Engine(tiny_long.path)
-    want = engine.generate("after", SamplingParams(temperature=0.0, max_tokens=16), loops=8).tokens
-    got = httpx.post(f"{server}/generate", json={"prompt": "after", "max_tokens": 16}, timeout=30).json()["tokens"]
-    assert got == want
