@@ -178,9 +178,8 @@ pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
 /// x[j] = x[id] with j < id. Summed in f64 (each f32 weight widened), so the sum carries only the weights' own
 /// rounding. With AVX-512, 16 lanes at a time; ids before `id` are compared with ≥, the rest with >.
 pub fn mass_ahead(x: &[f32], w: &[f32], id: usize) -> f64 {
-    let pivot = x[id];
-    let (before, after) = (x.split_at(id), w.split_at(id));
-    mass_where::<true>(before.0, after.0, pivot) + mass_where::<false>(before.1, after.1, pivot)
+    let ((x_lower, x_upper), (w_lower, w_upper)) = (x.split_at(id), w.split_at(id));
+    mass_where::<true>(x_lower, w_lower, x[id]) + mass_where::<false>(x_upper, w_upper, x[id])
 }
 
 /// `Σ w[j]` over x[j] ≥ `pivot` (`OR_EQUAL`) or x[j] > `pivot`.

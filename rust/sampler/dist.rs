@@ -1,14 +1,16 @@
 //! The distribution a token is drawn from, built from processed logits without sorting the vocabulary.
 //!
 //! With neither top-k nor top-p, every token keeps its weight `exp((l − max) / T)`: one vector pass fills a dense
-//! array, with sums of 1024-id blocks so that a draw walks ~50 block sums and then one block. With top-k or top-p
-//! only the head of the descending order matters, and the head is found by threshold: the ids with `l ≥ max − δ`
-//! are gathered (a vector compare); δ starts at 8·T (weights down to e⁻⁸ of the largest) and widens 4× at a time
-//! until the gathered set is large enough — k ids, or top-p of the total mass — which it always is once the
-//! threshold reaches the smallest logit. Every id at or above the threshold is gathered, ties included, so the
-//! gathered set is always a prefix of the full descending order: top-k selects and sorts its k ids, top-p finds its
-//! cut with a histogram (`nucleus`), and either way the kept set is the one a full sort would give. The gathered
-//! weights are f64 (the cut compares sums); the mass outside them (top-p's denominator) comes from one masked pass.
+//! array, with sums of 1024-id blocks so that a draw walks ~50 block sums and then one block. Top-p alone can be
+//! drawn from those weights by rejection (`draw_nucleus`), with no cut to find. Otherwise only the head of the
+//! descending order matters, and the head is found by threshold: the ids with `l ≥ threshold` are gathered (a
+//! vector compare). For top-k the threshold comes from counting passes over group maxima (`top_k_threshold`); for
+//! top-p it starts at max − 8·T (weights down to e⁻⁸ of the largest) and widens 4× at a time until the gathered set
+//! holds top-p of the total mass, which it always does once the threshold reaches the smallest logit. Every id at
+//! or above the threshold is gathered, ties included, so the gathered set is always a prefix of the full descending
+//! order: top-k selects and sorts its k ids, top-p finds its cut with a histogram (`nucleus`), and either way the
+//! kept set is the one a full sort would give. The gathered weights are f64 (the cut compares sums); the mass
+//! outside them (top-p's denominator) comes from one masked pass.
 
 use crate::kernels::logits::{
     argmax, buckets, count_at_least, exp_f64, exp_sum_below, exp_weights, group_maxima, ids_at_least, mass_ahead,
@@ -185,8 +187,8 @@ pub fn build(logits: &[f32], t: f32, top_k: usize, top_p: f32, scratch: &mut Scr
 /// A threshold with at least `k` logits at or above it and not many more: `(f32::MIN, true)` — every finite logit —
 /// when no more than k are finite. The search runs over the maxima of groups of 16 logits (`group_maxima`, one
 /// vector pass), 16 times fewer values: k maxima at or above a threshold mean at least k logits there and at most
-/// 16k, where a search over the logits themselves took a pass over the vocabulary per step. (With fewer than k
-/// finite maxima it searches the logits.)
+/// 16k, and each step of the search is a pass over a sixteenth of the vocabulary. (With fewer than k finite maxima
+/// it searches the logits.)
 fn top_k_threshold(logits: &[f32], max: f32, k: usize, t: f32, maxima: &mut Vec<f32>) -> (f32, bool) {
     if count_at_least(logits, f32::MIN) <= k {
         return (f32::MIN, true);
