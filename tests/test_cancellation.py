@@ -24,6 +24,28 @@ from tinyloop import SamplingParams
 LOAD = 3  # long streams that keep the engine busy throughout
 # No trial may end by itself before the client leaves: no end-of-text, no stop string (the chat trial's are off).
 LONG = {"max_tokens": 8000, "loops": 16, "ignore_eos": True}
+# The streamed trials (path, body, the body's seed field): a sampled chat stream and a speculative one, each request
+# seeded by its trial.
+STREAMED = {
+    "stream": (
+        "/v1/chat/completions",
+        {"model": "m", "stream": True, "temperature": 0.8, "stop": [], "messages": [{"role": "user", "content": "hi"}]}
+        | LONG,
+        "seed",
+    ),
+    "speculative": (
+        "/generate/speculative",
+        {
+            "prompt": "spec",
+            "stream": True,
+            "draft_loops": 2,
+            "verify_loops": 16,
+            "max_tokens": 8000,
+            "ignore_eos": True,
+        },
+        "sample_seed",
+    ),
+}
 
 
 def metrics(base: str) -> dict:
@@ -105,32 +127,9 @@ def test_200_disconnects_at_random_points_under_load(server, tiny_long):
                     prompt = [rng.randrange(50000) for _ in range(1000)]
                     s = request("/generate", {"prompt": prompt, **LONG, "max_tokens": 6000})
                     wait_for(server, "prefill running", running(LOAD + 1))
-                elif kind == "stream":
-                    s = request(
-                        "/v1/chat/completions",
-                        {
-                            "model": "m",
-                            "stream": True,
-                            "temperature": 0.8,
-                            "seed": trial,
-                            "stop": [],
-                            "messages": [{"role": "user", "content": "hi"}],
-                            **LONG,
-                        },
-                    )
-                    read_events(s, rng.randrange(1, 20))
-                elif kind == "speculative":
-                    s = request(
-                        "/generate/speculative",
-                        {
-                            "prompt": "spec",
-                            "stream": True,
-                            "draft_loops": 2,
-                            "verify_loops": 16,
-                            "max_tokens": 8000,
-                            "ignore_eos": True,
-                        },
-                    )
+                elif kind in STREAMED:  # closed after 1..19 events of its stream
+                    path, body, seed = STREAMED[kind]
+                    s = request(path, body | {seed: trial})
                     read_events(s, rng.randrange(1, 20))
                 else:  # non-streamed: nothing is answered until the whole generation is done
                     s = request("/generate", {"prompt": "whole", **LONG})
