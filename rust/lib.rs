@@ -3,7 +3,8 @@
 //! Layers, bottom up: `allocator` (mimalloc as the global allocator), `error` and `limits` (every bound, in one
 //! place); `kernels` (panel matmuls, f16 attention, vector math); `kv` (the cache and attention over it); `model`
 //! (config, layers, RoPE, the forward pass); `loader` (the `.tinyloop` GGUF file, docs/format.md); `tokenizer`
-//! (GPT-2 byte-level BPE); `sampler` (logits to tokens); `generate` (`Engine`, `Generation`, `Generator`: plain,
+//! (GPT-2 byte-level BPE); `grammar` (JSON schema / Lark / regex to token masks, through llguidance); `sampler`
+//! (logits to tokens); `generate` (`Engine`, `Generation`, `Generator`: plain,
 //! speculative and batched generation, docs/engine.md).
 //! `py` (feature `python`) is the only place that knows about Python. No module imports one that imports it back
 //! (`scripts/rust-imports.py` checks).
@@ -11,6 +12,7 @@
 pub mod allocator;
 pub mod error;
 pub mod generate;
+pub mod grammar;
 pub mod kernels;
 pub mod kv;
 pub mod limits;

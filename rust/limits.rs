@@ -18,6 +18,8 @@ pub const MAX_TREE_ROWS: usize = 64;
 pub const MAX_CACHE_WINDOW: usize = 1 << 20;
 /// Largest `top_k` the HTTP API accepts (the sampler itself honours any value).
 pub const MAX_TOP_K: usize = 1000;
+/// Most alternatives a token's log-probability may list (OpenAI's `top_logprobs` bound).
+pub const MAX_LOGPROBS: usize = 20;
 
 // Scheduling and cache sizing.
 

@@ -14,10 +14,11 @@ use crate::error::Error;
 use crate::generate::{
     step_batch, Engine as RsEngine, Generation as RsGeneration, Generator, Speculative as RsSpeculative, Step,
 };
+use crate::grammar::Grammar as RsGrammar;
 use crate::kv::KvCache;
 use crate::limits::{
-    MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, MAX_TREE_ROWS,
-    PREFILL_CHUNK, WINDOW_SLACK,
+    MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOGPROBS, MAX_LOOPS, MAX_TOP_K,
+    MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_SLACK,
 };
 use crate::sampler::SamplingParams as RsParams;
 
@@ -88,7 +89,8 @@ struct SamplingParams(RsParams);
 impl SamplingParams {
     #[new]
     #[pyo3(signature = (*, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0,
-        frequency_penalty=0.0, seed=None, max_tokens=128, min_tokens=0, ignore_eos=false, stop_token_ids=vec![]))]
+        frequency_penalty=0.0, seed=None, max_tokens=128, min_tokens=0, ignore_eos=false, stop_token_ids=vec![],
+        logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f32,
@@ -102,6 +104,7 @@ impl SamplingParams {
         min_tokens: usize,
         ignore_eos: bool,
         stop_token_ids: Vec<u32>,
+        logprobs: Option<usize>,
     ) -> PyResult<Self> {
         let p = RsParams {
             temperature,
@@ -115,6 +118,7 @@ impl SamplingParams {
             min_tokens,
             ignore_eos,
             stop_token_ids,
+            logprobs,
         };
         p.validate().map_err(to_py)?;
         Ok(Self(p))
@@ -163,6 +167,10 @@ impl SamplingParams {
     #[getter]
     fn stop_token_ids(&self) -> Vec<u32> {
         self.0.stop_token_ids.clone()
+    }
+    #[getter]
+    fn logprobs(&self) -> Option<usize> {
+        self.0.logprobs
     }
 
     fn __repr__(&self) -> String {
@@ -247,23 +255,81 @@ impl PySpeculative {
     }
 }
 
+/// What an output must match: `Grammar.json_schema(schema)` (a dict, or JSON text), `Grammar.lark(text)` (llguidance's
+/// Lark dialect) or `Grammar.regex(pattern)`. Compiled when a generation starts: a grammar that cannot be compiled
+/// raises `InvalidRequestError` naming the cause.
+#[pyclass(name = "Grammar", frozen, module = "tinyloop._core")]
+#[derive(Clone)]
+struct PyGrammar(RsGrammar);
+
+#[pymethods]
+impl PyGrammar {
+    #[staticmethod]
+    fn json_schema(schema: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let text = match schema.extract::<String>() {
+            Ok(text) => text,
+            Err(_) => schema.py().import("json")?.call_method1("dumps", (schema,))?.extract()?,
+        };
+        Ok(Self(RsGrammar::JsonSchema(text)))
+    }
+
+    #[staticmethod]
+    fn lark(text: String) -> Self {
+        Self(RsGrammar::Lark(text))
+    }
+
+    #[staticmethod]
+    fn regex(pattern: String) -> Self {
+        Self(RsGrammar::Regex(pattern))
+    }
+
+    /// "json_schema", "lark" or "regex".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.parts().0
+    }
+
+    /// The schema (JSON text), grammar or pattern.
+    #[getter]
+    fn source(&self) -> &str {
+        self.parts().1
+    }
+
+    fn __repr__(&self) -> String {
+        let (kind, source) = self.parts();
+        format!("Grammar.{kind}({source:?})")
+    }
+}
+
+impl PyGrammar {
+    fn parts(&self) -> (&'static str, &str) {
+        match &self.0 {
+            RsGrammar::JsonSchema(t) => ("json_schema", t),
+            RsGrammar::Lark(t) => ("lark", t),
+            RsGrammar::Regex(t) => ("regex", t),
+        }
+    }
+}
+
 /// What one generation runs: sampling parameters, loop depth (the model's default when None), speculative
-/// settings and sliding window. Checked when a generation starts, not here.
+/// settings, sliding window and grammar. Checked when a generation starts, not here.
 #[pyclass(name = "Generation", frozen, module = "tinyloop._core")]
 struct PyGeneration(RsGeneration);
 
 #[pymethods]
 impl PyGeneration {
     #[new]
-    #[pyo3(signature = (params=None, *, loops=None, speculative=None, cache_window=0))]
+    #[pyo3(signature = (params=None, *, loops=None, speculative=None, cache_window=0, grammar=None))]
     fn new(
         params: Option<&SamplingParams>,
         loops: Option<usize>,
         speculative: Option<&PySpeculative>,
         cache_window: usize,
+        grammar: Option<&PyGrammar>,
     ) -> Self {
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
-        Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window })
+        let grammar = grammar.map(|g| g.0.clone());
+        Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window, grammar })
     }
 
     #[getter]
@@ -282,22 +348,32 @@ impl PyGeneration {
     fn cache_window(&self) -> usize {
         self.0.cache_window
     }
+    #[getter]
+    fn grammar(&self) -> Option<PyGrammar> {
+        self.0.grammar.clone().map(PyGrammar)
+    }
 
     fn __repr__(&self) -> String {
         let loops = self.0.loops.map_or("None".to_string(), |l| l.to_string());
         let spec = self.0.speculative.map_or("None".to_string(), |s| PySpeculative(s).__repr__());
+        let grammar = self.grammar().map_or("None".to_string(), |g| g.__repr__());
         format!(
-            "Generation(params={}, loops={loops}, speculative={spec}, cache_window={})",
+            "Generation(params={}, loops={loops}, speculative={spec}, cache_window={}, grammar={grammar})",
             SamplingParams(self.0.params.clone()).__repr__(),
             self.0.cache_window
         )
     }
 }
 
-/// Result of `Engine.generate`. The draft counters are 0 unless the generation was speculative.
+/// A token's log-probability and the best alternatives at its position: (logprob, [(token id, logprob), ...]).
+type PyLogprob = (f32, Vec<(u32, f32)>);
+
+/// Result of `Engine.generate`. The draft counters are 0 unless the generation was speculative; `logprobs` holds one
+/// entry per token when the sampling parameters asked for them.
 #[pyclass(frozen, get_all, module = "tinyloop._core")]
 struct Completion {
     tokens: Vec<u32>,
+    logprobs: Option<Vec<PyLogprob>>,
     text: String,
     finish_reason: String,
     prompt_tokens: usize,
@@ -307,12 +383,14 @@ struct Completion {
     draft_accepted: usize,
 }
 
-/// One streamed step: a token (`token_id` >= 0, with its bytes) and/or the end (`finish_reason`).
+/// One streamed step: a token (`token_id` >= 0, with its bytes, and its log-probability when asked for) and/or the
+/// end (`finish_reason`).
 #[pyclass(frozen, get_all, module = "tinyloop._core")]
 struct StepEvent {
     token_id: i64,
     bytes: Py<PyBytes>,
     finish_reason: Option<String>,
+    logprob: Option<PyLogprob>,
 }
 
 #[pyclass(module = "tinyloop._core")]
@@ -320,19 +398,30 @@ struct TokenStream {
     engine: Arc<RsEngine>,
     generator: Generator,
     done: bool,
+    /// Tokens handed out so far (a speculative round emits several before they are handed out one by one).
+    handed: usize,
 }
 
 impl TokenStream {
+    fn new(engine: Arc<RsEngine>, generator: Generator) -> Self {
+        Self { engine, generator, done: false, handed: 0 }
+    }
+
     fn event(&mut self, py: Python<'_>, step: Step) -> PyResult<StepEvent> {
         self.done = step.finish.is_some();
-        let bytes = match step.token {
-            Some(t) => self.engine.tokenizer.token_bytes(t).map_err(to_py)?.to_vec(),
-            None => Vec::new(),
+        let (bytes, logprob) = match step.token {
+            Some(t) => {
+                let logprob = self.generator.logprobs().get(self.handed).map(|l| (l.logprob, l.top.clone()));
+                self.handed += 1;
+                (self.engine.tokenizer.token_bytes(t).map_err(to_py)?.to_vec(), logprob)
+            }
+            None => (Vec::new(), None),
         };
         Ok(StepEvent {
             token_id: step.token.map_or(-1, i64::from),
             bytes: PyBytes::new(py, &bytes).unbind(),
             finish_reason: step.finish.map(|f| f.as_str().to_string()),
+            logprob,
         })
     }
 }
@@ -431,7 +520,8 @@ impl Engine {
     fn generator(&self, py: Python<'_>, prompt: Prompt, args: Keywords) -> PyResult<Generator> {
         let generation = args.generation(self.inner.config().default_loops)?;
         let ids = self.prompt_ids(py, prompt)?;
-        Generator::new(self.inner.clone(), ids, generation).map_err(to_py)
+        let engine = self.inner.clone();
+        detached(py, || Generator::new(engine, ids, generation)) // compiling a grammar may take milliseconds
     }
 }
 
@@ -443,17 +533,18 @@ struct Keywords<'a, 'py> {
     draft: Option<(usize, usize)>,
     k_branches: usize,
     cache_window: usize,
+    grammar: Option<&'a PyGrammar>,
 }
 
 impl Keywords<'_, '_> {
     /// `draft=(draft_loops, draft_ahead)` verifies at `loops` (the model's `default_loops` when None).
     fn generation(self, default_loops: usize) -> PyResult<RsGeneration> {
-        let Keywords { params, loops, draft, k_branches, cache_window } = self;
+        let Keywords { params, loops, draft, k_branches, cache_window, grammar } = self;
         if let Some(plan) = params.and_then(|p| p.cast::<PyGeneration>().ok()) {
-            if loops.is_some() || draft.is_some() || k_branches != 1 || cache_window != 0 {
+            if loops.is_some() || draft.is_some() || k_branches != 1 || cache_window != 0 || grammar.is_some() {
                 return Err(PyTypeError::new_err(
-                    "with a Generation as params, leave loops, draft, k_branches and cache_window at their \
-                     defaults: the Generation holds them",
+                    "with a Generation as params, leave loops, draft, k_branches, cache_window and grammar at \
+                     their defaults: the Generation holds them",
                 ));
             }
             return Ok(plan.get().0.clone());
@@ -472,7 +563,8 @@ impl Keywords<'_, '_> {
             k_branches,
         });
         let loops = if speculative.is_some() { None } else { loops };
-        Ok(RsGeneration { params, loops, speculative, cache_window })
+        let grammar = grammar.map(|g| g.0.clone());
+        Ok(RsGeneration { params, loops, speculative, cache_window, grammar })
     }
 }
 
@@ -549,8 +641,9 @@ impl Engine {
 
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
-    /// `params` may instead be a `Generation` holding all of it (the other arguments then stay at their defaults).
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
+    /// `grammar` (a `Grammar`) constrains the output to a JSON schema, Lark grammar or regex. `params` may instead be
+    /// a `Generation` holding all of it (the other arguments then stay at their defaults).
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0, grammar=None))]
     #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
     fn generate(
         &self,
@@ -561,8 +654,9 @@ impl Engine {
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
+        grammar: Option<&PyGrammar>,
     ) -> PyResult<Completion> {
-        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let args = Keywords { params, loops, draft, k_branches, cache_window, grammar };
         let mut g = self.generator(py, prompt, args)?;
         let tok = &self.inner.tokenizer;
         let (finish, text) = computed(py, || {
@@ -577,6 +671,7 @@ impl Engine {
             draft_proposed: draft.proposed,
             draft_accepted: draft.accepted,
             tokens: g.output().to_vec(),
+            logprobs: g.wants_logprobs().then(|| g.logprobs().iter().map(|l| (l.logprob, l.top.clone())).collect()),
             text,
             finish_reason: finish.as_str().to_string(),
         })
@@ -584,7 +679,7 @@ impl Engine {
 
     /// An iterator of `StepEvent`s, one token per `next()` (GIL released while the model runs). With `draft`,
     /// a speculative round runs when no verified token is waiting. Arguments as `generate`.
-    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0))]
+    #[pyo3(signature = (prompt, params=None, loops=None, draft=None, k_branches=1, cache_window=0, grammar=None))]
     #[allow(clippy::too_many_arguments)] // the Python keyword signature, kept for callers who pass them by hand
     fn stream(
         &self,
@@ -595,10 +690,11 @@ impl Engine {
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
+        grammar: Option<&PyGrammar>,
     ) -> PyResult<TokenStream> {
-        let args = Keywords { params, loops, draft, k_branches, cache_window };
+        let args = Keywords { params, loops, draft, k_branches, cache_window, grammar };
         let generator = self.generator(py, prompt, args)?;
-        Ok(TokenStream { engine: self.inner.clone(), generator, done: false })
+        Ok(TokenStream::new(self.inner.clone(), generator))
     }
 
     /// One step of every stream (continuous batching): the plain decode steps and prompt prefills among them run as
@@ -661,6 +757,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;
     m.add_class::<PyGeneration>()?;
+    m.add_class::<PyGrammar>()?;
     m.add_class::<PySpeculative>()?;
     m.add_class::<Completion>()?;
     m.add_class::<StepEvent>()?;
@@ -680,6 +777,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_BRANCHES", MAX_BRANCHES)?;
     m.add("MAX_CACHE_WINDOW", MAX_CACHE_WINDOW)?;
     m.add("MAX_TOP_K", MAX_TOP_K)?;
+    m.add("MAX_LOGPROBS", MAX_LOGPROBS)?;
     m.add("PREFILL_CHUNK", PREFILL_CHUNK)?;
     m.add("WINDOW_SLACK", WINDOW_SLACK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

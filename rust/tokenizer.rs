@@ -22,6 +22,8 @@ pub struct Tokenizer {
     /// id -> bytes, for every id (special tokens as their UTF-8 text).
     bytes: Vec<Vec<u8>>,
     specials: Vec<String>,
+    /// Ids of the control tokens, ascending.
+    control_ids: Vec<u32>,
     pub eos_token_id: u32,
 }
 
@@ -71,10 +73,12 @@ impl Tokenizer {
         let mut encoder: FxHashMap<Vec<u8>, u32> = FxHashMap::default();
         let mut specials_map: FxHashMap<String, u32> = FxHashMap::default();
         let mut bytes = Vec::with_capacity(v.tokens.len());
+        let mut control_ids = Vec::new();
         for (id, (tok, ty)) in v.tokens.iter().zip(&v.token_types).enumerate() {
             let id = id as u32;
             if *ty == TOKEN_TYPE_CONTROL {
                 add_control(&mut specials_map, tok, id)?;
+                control_ids.push(id);
                 bytes.push(tok.as_bytes().to_vec());
             } else {
                 let b = spell(tok)?;
@@ -110,11 +114,16 @@ impl Tokenizer {
         }
         let specials: Vec<String> = specials_map.keys().cloned().collect();
         let bpe = CoreBPE::new(encoder, specials_map, GPT2_PATTERN).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(Self { bpe, bytes, specials, eos_token_id: v.eos_token_id })
+        Ok(Self { bpe, bytes, specials, control_ids, eos_token_id: v.eos_token_id })
     }
 
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()
+    }
+
+    /// True for a control token (type 3, e.g. `<|endoftext|>`): its bytes are its name, not text.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.control_ids.binary_search(&id).is_ok()
     }
 
     /// Encode text; special-token text is encoded as ordinary text unless `allow_special`.
@@ -145,11 +154,11 @@ impl Tokenizer {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The 256 byte tokens, then `controls` (type 3); no merges.
-    fn vocab(controls: &[&str]) -> VocabData {
+    pub(crate) fn vocab(controls: &[&str]) -> VocabData {
         let mut by_byte: Vec<(u8, char)> = unicode_to_byte().into_iter().map(|(c, b)| (b, c)).collect();
         by_byte.sort();
         let mut tokens: Vec<String> = by_byte.iter().map(|(_, c)| c.to_string()).collect();

@@ -79,9 +79,12 @@ def test_chat_stream_bytes(server, client):
     raw = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).content
     events = sse_events(raw)
     assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
-    assert events[-1]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+    assert events[-2]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+    # Every stream ends with the usage chunk, asked for or not.
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
-    content = [e["choices"][0]["delta"]["content"] for e in events[1:-1]]
+    assert all("usage" not in e for e in events[:-1])  # `usage: null` per chunk only with include_usage
+    content = [e["choices"][0]["delta"]["content"] for e in events[1:-2]]
     assert all(content)  # empty deltas are dropped
     full = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=10, temperature=0, stop=[])
     assert "".join(content) == full.choices[0].message.content
@@ -132,9 +135,9 @@ def test_exact_stop_strings(client, server):
     assert out.choices[0].text == free[: free.index(stop)] and out.choices[0].finish_reason == "stop"
     body = {"model": "m", "prompt": "Stop test", "max_tokens": 30, "temperature": 0, "stop": stop, "stream": True}
     events = sse_events(httpx.post(f"{server}/v1/completions", json=body, timeout=60).content)
-    texts = [e["choices"][0]["text"] for e in events]
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
     assert "".join(texts) == free[: free.index(stop)] and all(stop not in t for t in texts)
-    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1]["choices"] == []
 
 
 def test_prompt_array_answers_every_prompt(client, tiny_engine):
@@ -202,12 +205,15 @@ def test_api_v0_sections(server, tiny):
         "kv_cache_mode": "fp16",
     }
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
+    refused = httpx.post(f"{server}/v1/completions", json=body, timeout=60)  # an /api/v0 field, not an OpenAI one
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
+    del body["repetition_penalty"]
     plain = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
     assert "stats" not in plain and plain["choices"][0]["text"] != r["choices"][0]["text"]  # penalty honoured on v0
     r = httpx.post(
         f"{server}/api/v0/chat/completions",
         json={
-            **body,
+            **{k: v for k, v in body.items() if k != "prompt"},
             "mode": "tree_speculative",
             "K_branches": 16,
             "draft_ahead": 8,

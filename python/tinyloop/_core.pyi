@@ -9,6 +9,7 @@ __all__ = [
     "MAX_CACHE_WINDOW",
     "MAX_DRAFT_AHEAD",
     "MAX_DRAFT_LOOPS",
+    "MAX_LOGPROBS",
     "MAX_LOOPS",
     "MAX_TOP_K",
     "MAX_TREE_ROWS",
@@ -19,6 +20,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "Generation",
+    "Grammar",
     "InvalidRequestError",
     "ModelInfo",
     "ModelLoadError",
@@ -46,6 +48,7 @@ MAX_DRAFT_AHEAD: int  # tokens drafted per speculative round
 MAX_BRANCHES: int  # k_branches of tree speculative decoding
 MAX_CACHE_WINDOW: int  # largest cache_window
 MAX_TOP_K: int  # largest top_k the HTTP API accepts (the sampler honours any)
+MAX_LOGPROBS: int  # most alternatives a token's log-probability lists
 PREFILL_CHUNK: int  # prompt tokens a stream prefills per batched step
 WINDOW_SLACK: int  # positions a windowed cache keeps below the window for speculative rollback
 
@@ -80,6 +83,7 @@ class SamplingParams:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         stop_token_ids: list[int] = ...,
+        logprobs: int | None = None,
     ) -> Self: ...
     @property
     def temperature(self) -> float: ...
@@ -103,6 +107,10 @@ class SamplingParams:
     def ignore_eos(self) -> bool: ...
     @property
     def stop_token_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> int | None:
+        """Record each emitted token's log-probability (log-softmax of the raw logits, as `Engine.score`) with this
+        many most likely alternatives (0..20); None: off."""
 
 @final
 class ModelInfo:
@@ -158,10 +166,31 @@ class Speculative:
     def k_branches(self) -> int: ...
 
 @final
+class Grammar:
+    """What an output must match (structured output, through llguidance). Compiled when a generation starts: a
+    grammar that cannot be compiled (e.g. a JSON schema keyword outside the supported subset) raises
+    InvalidRequestError naming the cause. The grammar decides where the output ends."""
+
+    @staticmethod
+    def json_schema(schema: object) -> Grammar:
+        """A JSON schema, as a dict (or anything `json.dumps` takes) or as JSON text."""
+    @staticmethod
+    def lark(text: str) -> Grammar:
+        """A grammar in llguidance's Lark dialect (`%json {...}` embeds a JSON schema)."""
+    @staticmethod
+    def regex(pattern: str) -> Grammar:
+        """A regular expression the whole output matches."""
+    @property
+    def kind(self) -> str:
+        """ "json_schema", "lark" or "regex"."""
+    @property
+    def source(self) -> str: ...
+
+@final
 class Generation:
     """What one generation runs: sampling parameters (defaults when None), loop depth (the model's default_loops
-    when None; must be None or equal verify_loops when speculative), speculative settings and sliding KV window
-    (0: none). Frozen; checked when a generation starts (InvalidRequestError)."""
+    when None; must be None or equal verify_loops when speculative), speculative settings, sliding KV window
+    (0: none) and grammar. Frozen; checked when a generation starts (InvalidRequestError)."""
 
     def __new__(
         cls,
@@ -170,6 +199,7 @@ class Generation:
         loops: int | None = None,
         speculative: Speculative | None = None,
         cache_window: int = 0,
+        grammar: Grammar | None = None,
     ) -> Self: ...
     @property
     def params(self) -> SamplingParams: ...
@@ -179,6 +209,8 @@ class Generation:
     def speculative(self) -> Speculative | None: ...
     @property
     def cache_window(self) -> int: ...
+    @property
+    def grammar(self) -> Grammar | None: ...
 
 @final
 class Completion:
@@ -186,6 +218,9 @@ class Completion:
 
     @property
     def tokens(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Per token (its log-probability, [(id, log-probability) of the best alternatives]) when asked for."""
     @property
     def text(self) -> str: ...
     @property
@@ -209,6 +244,9 @@ class StepEvent:
     def bytes(self) -> bytes: ...
     @property
     def finish_reason(self) -> str | None: ...
+    @property
+    def logprob(self) -> tuple[float, list[tuple[int, float]]] | None:
+        """The token's log-probability and the best alternatives, when the sampling parameters ask for them."""
 
 @final
 class TokenStream(Iterator[StepEvent]):
@@ -260,9 +298,11 @@ class Engine:
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,
+        grammar: Grammar | None = None,
     ) -> Completion:
-        """`draft=(draft_loops, draft_ahead)` drafts speculatively and verifies at `loops`. `params` may instead be a
-        `Generation` holding every setting; the other arguments must then stay at their defaults (else TypeError)."""
+        """`draft=(draft_loops, draft_ahead)` drafts speculatively and verifies at `loops`; `grammar` constrains the
+        output. `params` may instead be a `Generation` holding every setting; the other arguments must then stay at
+        their defaults (else TypeError)."""
     def stream(
         self,
         prompt: str | list[int],
@@ -271,6 +311,7 @@ class Engine:
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,
+        grammar: Grammar | None = None,
     ) -> TokenStream:
         """A stream of `StepEvent`s; arguments as `generate`."""
     def step_many(self, streams: list[TokenStream]) -> list[StepEvent | TinyloopError | None]:

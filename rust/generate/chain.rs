@@ -40,7 +40,9 @@ impl ChainRound {
     /// proposal from the draft distribution q_j (the request's own temperature / top-k / top-p / penalties).
     pub fn propose(&mut self, seq: &mut SeqState, h: Tensor, mut logits: Vec<f32>) {
         let q = seq.sampler.distribution(&mut logits);
-        self.inputs.push(seq.sampler.draw(&q));
+        let token = seq.sampler.draw(&q);
+        seq.sampler.draft(token);
+        self.inputs.push(token);
         self.proposals.push(q);
         self.hidden.push(h);
     }
@@ -49,6 +51,7 @@ impl ChainRound {
     /// emit the verified tokens and roll back the rows after the first disagreement.
     pub fn finish(self, seq: &mut SeqState, logits: Vec<Vec<f32>>) {
         seq.pending = None;
+        seq.sampler.rewind_drafts();
         seq.draft.rounds += 1;
         seq.draft.proposed += self.k;
         let mut fed = 0;

@@ -1,9 +1,11 @@
 //! `Engine`: a loaded model with its tokenizer and the limits requests run under; scoring and raw feeding.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::ensure_arg;
 use crate::error::{Error, Result};
+use crate::grammar::Grammars;
 use crate::kv::{KvCache, KvKind};
 use crate::limits::MAX_LOOPS;
 use crate::loader::{self, ModelFile};
@@ -12,7 +14,9 @@ use crate::tokenizer::Tokenizer;
 
 pub struct Engine {
     pub model: Model,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Compiles requests' grammars against this model's vocabulary.
+    pub grammars: Grammars,
     /// "fp16" | "int8" | "int4" | "int2" | "mixed", from the file's tensor types.
     pub quant: String,
     /// Longest sequence (prompt + output) a request may use.
@@ -45,17 +49,18 @@ impl Engine {
 
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
         let ModelFile { config, vocab, tensors, quant, draft_ids } = loader::load(path)?;
-        let tokenizer = Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
+        let tokenizer = Arc::new(Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),
             what: "tokenizer.ggml.tokens/merges".into(),
             reason: e.to_string(),
-        })?;
+        })?);
         let max_seq_len = max_seq_len.unwrap_or(config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
         let mut model = Model::new(config, tensors, draft_ids)?;
         let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);
-        Ok(Self { model, tokenizer, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
+        let grammars = Grammars::new(tokenizer.clone(), model.cfg.vocab_size);
+        Ok(Self { model, tokenizer, grammars, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
     }
 
     pub fn config(&self) -> &Config {

@@ -13,7 +13,7 @@ use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::limits::{MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_PREFILL_CHUNK, WINDOW_SLACK};
 use crate::model::{LogitRows, SeqChunk};
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, TokenLogprob};
 
 /// Positions a sequence with window `w` keeps at a time: the window, the rollback slack, and the most rows one
 /// pass may add (a prefill chunk, or a speculative tree's staged rows).
@@ -35,7 +35,7 @@ pub struct Generator {
 /// What a generator does in a batched step.
 enum Next {
     /// Already known: a verified speculative token waiting, or the end.
-    Done(Step),
+    Done(Result<Step>),
     /// Joins the batch of its (engine, depth) with this work.
     Batch((usize, usize), Work),
     /// Runs its own step (tree round, windowed prefill).
@@ -49,12 +49,14 @@ impl Generator {
         let loops = generation.depth(engine.config().default_loops);
         ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
         engine.check_tokens(&prompt, "prompt token id")?;
+        let constraint = generation.grammar.as_ref().map(|g| engine.grammars.compile(g)).transpose()?;
         let Generation { params, speculative, cache_window, .. } = generation;
         let needed = prompt.len() + params.max_tokens;
         if needed > engine.max_seq_len {
             return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
         }
-        let sampler = Sampler::new(params, &prompt, engine.config().vocab_size, engine.tokenizer.eos_token_id);
+        let sampler = Sampler::new(params, &prompt, engine.config().vocab_size, engine.tokenizer.eos_token_id)
+            .constrained(constraint);
         // `needed` leaves one spare position (the last output token is never fed back); tree verification may
         // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.
         let full = needed + MAX_TREE_ROWS;
@@ -84,6 +86,15 @@ impl Generator {
         &self.seq.output
     }
 
+    /// Their log-probabilities, one per emitted token, when the sampling parameters ask (else empty).
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        self.seq.sampler.logprobs()
+    }
+
+    pub fn wants_logprobs(&self) -> bool {
+        self.seq.sampler.params().logprobs.is_some()
+    }
+
     /// Draft counters so far (zeros unless speculative).
     pub fn draft(&self) -> DraftStats {
         self.seq.draft
@@ -96,18 +107,14 @@ impl Generator {
     /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
     pub fn step(&mut self) -> Result<Step> {
         if let Some(step) = self.seq.ready.pop_front() {
-            return Ok(step);
+            return self.checked(step);
         }
         if let Some(f) = self.seq.finish {
-            return Ok(Step { token: None, finish: Some(f) });
+            return self.checked(Step { token: None, finish: Some(f) });
         }
         if let (Some(spec), Some(_)) = (self.spec, self.seq.pending) {
             self.speculative_round(spec)?;
-            return self
-                .seq
-                .ready
-                .pop_front()
-                .ok_or_else(|| Error::Internal("a speculative round emitted nothing".into()));
+            return self.take_ready("a speculative round emitted nothing");
         }
         let seq = &mut self.seq;
         let feed: Vec<u32> = match seq.pending {
@@ -124,7 +131,23 @@ impl Generator {
         }
         let logits = logits.ok_or_else(|| Error::Internal("nothing to feed".into()))?;
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        Ok(seq.finish_step(feed.len(), &mut logits))
+        let step = seq.finish_step(feed.len(), &mut logits);
+        self.checked(step)
+    }
+
+    /// A step as handed out — unless the request's grammar failed while choosing it (a parser limit reached
+    /// mid-output): then the request fails with the grammar's reason.
+    fn checked(&self, step: Step) -> Result<Step> {
+        match self.seq.sampler.grammar_error() {
+            Some(why) => Err(Error::Internal(format!("grammar: {why}"))),
+            None => Ok(step),
+        }
+    }
+
+    /// The next queued step, checked; `missing` explains an empty queue.
+    fn take_ready(&mut self, missing: &str) -> Result<Step> {
+        let step = self.seq.ready.pop_front().ok_or_else(|| Error::Internal(missing.into()))?;
+        self.checked(step)
     }
 
     /// Run to the end; returns the finish reason.
@@ -148,13 +171,13 @@ impl Generator {
 
     /// This generator's part in a batched step.
     fn next(&mut self) -> Next {
+        if let Some(step) = self.seq.ready.pop_front() {
+            return Next::Done(self.checked(step));
+        }
+        if let Some(f) = self.seq.finish {
+            return Next::Done(self.checked(Step { token: None, finish: Some(f) }));
+        }
         let seq = &mut self.seq;
-        if let Some(step) = seq.ready.pop_front() {
-            return Next::Done(step);
-        }
-        if let Some(f) = seq.finish {
-            return Next::Done(Step { token: None, finish: Some(f) });
-        }
         let key = (Arc::as_ptr(&self.engine) as usize, self.loops);
         match (seq.pending, self.spec) {
             (Some(_), Some(spec)) if spec.k_branches > 1 => Next::Solo,
@@ -202,17 +225,13 @@ pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
             out[i] = Some(match ran {
                 // Nothing was emitted: each one runs alone, so an error lands on the request that caused it.
                 Err(_) => gens[i].step(),
-                Ok(()) => gens[i]
-                    .seq
-                    .ready
-                    .pop_front()
-                    .ok_or_else(|| Error::Internal("a batched step produced nothing".into())),
+                Ok(()) => gens[i].take_ready("a batched step produced nothing"),
             });
         }
     }
     for (i, (g, plan)) in gens.iter_mut().zip(plans).enumerate() {
         match plan {
-            Next::Done(step) => out[i] = Some(Ok(step)),
+            Next::Done(step) => out[i] = Some(step),
             Next::Solo if out[i].is_none() => out[i] = Some(g.step()),
             _ => {}
         }

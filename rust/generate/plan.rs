@@ -3,6 +3,7 @@
 
 use crate::ensure_arg;
 use crate::error::Result;
+use crate::grammar::Grammar;
 use crate::limits::{MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TREE_ROWS};
 use crate::sampler::SamplingParams;
 
@@ -25,6 +26,8 @@ pub struct Generation {
     pub speculative: Option<Speculative>,
     /// Sliding KV window: attend to the last `cache_window` positions only (0: no window).
     pub cache_window: usize,
+    /// What the output must match (structured output); the grammar decides where the output ends.
+    pub grammar: Option<Grammar>,
 }
 
 impl Generation {
@@ -39,6 +42,12 @@ impl Generation {
             "cache_window must be in 0..={MAX_CACHE_WINDOW}, got {}",
             self.cache_window
         );
+        if self.grammar.is_some() {
+            ensure_arg!(
+                !self.params.ignore_eos && self.params.min_tokens == 0,
+                "a grammar decides where the output ends: leave ignore_eos false and min_tokens 0"
+            );
+        }
         match &self.speculative {
             Some(spec) => spec.validate(&self.params, self.loops),
             None => Ok(()),

@@ -95,7 +95,8 @@ impl SeqState {
     }
 
     /// Hand out a token the target depth chose: a stop token ends the sequence (and is not output), otherwise it
-    /// is output, and becomes the next token to feed unless `max_tokens` is reached.
+    /// is output, and becomes the next token to feed unless its grammar is complete (a stop) or `max_tokens` is
+    /// reached.
     pub fn emit(&mut self, token: u32) -> Step {
         if self.sampler.is_stop(token) {
             self.finish = Some(FinishReason::Stop);
@@ -103,7 +104,9 @@ impl SeqState {
         }
         self.sampler.accept(token);
         self.output.push(token);
-        if self.output.len() >= self.sampler.params().max_tokens {
+        if self.sampler.grammar_complete() {
+            self.finish = Some(FinishReason::Stop);
+        } else if self.output.len() >= self.sampler.params().max_tokens {
             self.finish = Some(FinishReason::Length);
         } else {
             self.pending = Some(token);

@@ -10,18 +10,7 @@ use super::plan::Speculative;
 use super::seq::SeqState;
 use crate::error::{Error, Result};
 use crate::model::{Model, SeqChunk, TreeRows};
-
-/// Ids of the `k` largest logits, best first (lower id first among equals).
-fn top_k(logits: &[f32], k: usize) -> Vec<u32> {
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    let k = k.min(ids.len());
-    ids.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
-        logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-    });
-    ids.truncate(k);
-    ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
-    ids
-}
+use crate::sampler::top_ids;
 
 /// One tree round: draft the tree, verify it in one pass, keep what the verifier agrees with.
 pub(super) fn round(model: &Model, seq: &mut SeqState, spec: Speculative) -> Result<()> {
@@ -86,8 +75,10 @@ impl Tree {
             let h = model.run(model.embed(&toks)?, &mut seqs, true, 0..spec.draft_loops)?;
             t.record(j, &level, &h)?;
             if j < k {
-                let logits = model.draft_logits(&h.narrow(0, 0, 1)?)?.swap_remove(0);
-                let best = top_k(&logits, t.kb);
+                let mut logits = model.draft_logits(&h.narrow(0, 0, 1)?)?.swap_remove(0);
+                seq.sampler.constrain(&mut logits);
+                let best = top_ids(&logits, t.kb);
+                seq.sampler.draft(best[0]);
                 t.path.push(best[0]);
                 t.leaves.push(best[1..].to_vec());
             }
@@ -122,6 +113,7 @@ impl Tree {
     /// Walk the verified tree with the verifier's `logits` (one row per node): emit its tokens, keep the agreed
     /// rows, move a chosen leaf's K/V into place and roll back the rest.
     fn walk(&self, seq: &mut SeqState, mut logits: Vec<Vec<f32>>) {
+        seq.sampler.rewind_drafts();
         seq.draft.rounds += 1;
         seq.draft.proposed += self.k;
         // `fed` rows at p0.. are kept; `row` is the verified node whose successor is chosen next.

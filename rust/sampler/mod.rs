@@ -4,7 +4,8 @@
 //! 1. `repetition_penalty` (CTRL): for every token seen in the prompt or the output, a positive logit is divided by
 //!    the penalty and a negative one multiplied by it, so > 1 penalises.
 //! 2. OpenAI penalties over generated tokens: `logit -= presence·[count > 0] + frequency·count`.
-//! 3. Before `min_tokens` tokens (or always with `ignore_eos`), end-of-sequence and stop ids are masked out.
+//! 3. Before `min_tokens` tokens (or always with `ignore_eos`), end-of-sequence and stop ids are masked out; with a
+//!    grammar (`crate::grammar`), every token it does not allow next is masked out.
 //! 4. `temperature == 0` → argmax (lowest id wins a tie). Otherwise divide by T, keep the top-k (0 = all),
 //!    softmax, keep the smallest set whose mass ≥ top_p (ties in descending-probability order broken by lower
 //!    id), renormalise and draw with a ChaCha8 RNG seeded by `seed` (fresh entropy when there is none): a
@@ -13,8 +14,12 @@
 //!    without top-k draws from every token and redraws until the draw lies in the nucleus, which is the nucleus
 //!    distribution exactly and needs no cut (`dist::draw_nucleus`); the built distribution serves speculative
 //!    verification, which needs the probabilities themselves.
+//!
+//! With `logprobs`, each row is scored before step 1 and the emitted token's log-probability under the raw logits
+//! kept (`logprobs.rs`).
 
 mod dist;
+mod logprobs;
 
 use std::collections::HashMap;
 
@@ -23,9 +28,13 @@ use rand_chacha::ChaCha8Rng;
 
 pub use self::dist::Dist;
 use self::dist::Scratch;
+use self::logprobs::Scored;
+pub use self::logprobs::{top_ids, TokenLogprob};
 use crate::ensure_arg;
 use crate::error::Result;
+use crate::grammar::Constraint;
 pub use crate::kernels::logits::argmax;
+use crate::limits::MAX_LOGPROBS;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -40,6 +49,8 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     pub ignore_eos: bool,
     pub stop_token_ids: Vec<u32>,
+    /// Record each emitted token's log-probability with this many alternatives (`logprobs.rs`); None: off.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -56,6 +67,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -79,6 +91,11 @@ impl SamplingParams {
         ensure_arg!(self.frequency_penalty.is_finite(), "frequency_penalty must be finite");
         ensure_arg!(self.max_tokens >= 1, "max_tokens must be >= 1");
         ensure_arg!(
+            self.logprobs.is_none_or(|n| n <= MAX_LOGPROBS),
+            "logprobs must be in 0..={MAX_LOGPROBS}, got {}",
+            self.logprobs.unwrap_or_default()
+        );
+        ensure_arg!(
             self.min_tokens <= self.max_tokens,
             "min_tokens ({}) must not exceed max_tokens ({})",
             self.min_tokens,
@@ -99,6 +116,10 @@ pub struct Sampler {
     generated: usize,
     eos: u32,
     scratch: Scratch,
+    constraint: Option<Constraint>,
+    /// The last row `process` saw, scored, until its token is accepted (only with `params.logprobs`).
+    scored: Option<Scored>,
+    logprobs: Vec<TokenLogprob>,
 }
 
 impl Sampler {
@@ -118,9 +139,17 @@ impl Sampler {
             generated: 0,
             eos,
             scratch: Scratch::default(),
+            constraint: None,
+            scored: None,
+            logprobs: Vec::new(),
         };
         prompt.iter().for_each(|&t| s.see(t));
         s
+    }
+
+    /// The same sampler, choosing only tokens `constraint` allows.
+    pub fn constrained(self, constraint: Option<Constraint>) -> Self {
+        Self { constraint, ..self }
     }
 
     fn see(&mut self, token: u32) {
@@ -134,11 +163,56 @@ impl Sampler {
         &self.params
     }
 
-    /// Record a generated token (penalty state and the min_tokens count).
+    /// Record a generated token (penalty state, the min_tokens count, the grammar's state).
     pub fn accept(&mut self, token: u32) {
         self.see(token);
         *self.counts.entry(token).or_insert(0) += 1;
         self.generated += 1;
+        if let Some(c) = &mut self.constraint {
+            c.consume(token);
+        }
+        if let Some(scored) = self.scored.take() {
+            self.logprobs.push(scored.entry(token));
+        }
+        debug_assert!(self.params.logprobs.is_none() || self.logprobs.len() == self.generated);
+    }
+
+    /// The emitted tokens' log-probabilities (empty unless `params.logprobs`).
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// A speculative round drafted `token`: the grammar advances by it until `rewind_drafts`, so the next draft is
+    /// drawn under the grammar too.
+    pub fn draft(&mut self, token: u32) {
+        let ends = self.is_stop(token);
+        if let Some(c) = &mut self.constraint {
+            c.draft(token, ends);
+        }
+    }
+
+    /// Undo the grammar's advance over this round's drafts (before verification).
+    pub fn rewind_drafts(&mut self) {
+        if let Some(c) = &mut self.constraint {
+            c.rewind_drafts();
+        }
+    }
+
+    /// Only the grammar's mask (tree drafts rank raw draft logits).
+    pub fn constrain(&mut self, logits: &mut [f32]) {
+        if let Some(c) = &mut self.constraint {
+            c.mask(logits);
+        }
+    }
+
+    /// The grammar is complete: nothing more may follow.
+    pub fn grammar_complete(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::is_complete)
+    }
+
+    /// Why the grammar failed mid-output, if it did.
+    pub fn grammar_error(&self) -> Option<&str> {
+        self.constraint.as_ref().and_then(Constraint::error)
     }
 
     /// True if `token` ends the sequence (EOS unless ignored, or a stop id).
@@ -147,7 +221,10 @@ impl Sampler {
     }
 
     /// Steps 1–3 of the module doc, in place.
-    pub fn process(&self, logits: &mut [f32]) {
+    pub fn process(&mut self, logits: &mut [f32]) {
+        if let Some(n) = self.params.logprobs {
+            self.scored = Some(Scored::of(logits, n));
+        }
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen_ids {
@@ -175,6 +252,7 @@ impl Sampler {
         if early {
             p.stop_token_ids.iter().for_each(|&t| mask(t));
         }
+        self.constrain(logits);
     }
 
     /// Choose the next token from raw logits (modified in place).

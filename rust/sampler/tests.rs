@@ -122,7 +122,7 @@ fn min_tokens_and_ignore_eos_mask_stops() {
     assert_eq!(l, vec![0.0, 0.0, 9.0, 9.0]);
     assert!(s.is_stop(2) && s.is_stop(3) && !s.is_stop(1));
 
-    let s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3);
+    let mut s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3);
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l);
     assert_eq!(l[3], f32::NEG_INFINITY);

@@ -95,6 +95,10 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
         errors = e.errors()
+        unknown = next((err for err in errors if err.get("type") == "extra_forbidden"), None)
+        if unknown is not None:  # a field no schema declares: refused by name, never ignored
+            name = ".".join(str(x) for x in unknown.get("loc", []) if x != "body")
+            return _error(APIError(400, f"unsupported parameter: {name} is not implemented by tinyloop", param=name))
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = "; ".join(

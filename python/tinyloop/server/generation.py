@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from .logprobs import Entry
 from .runner import EngineRunner, Job
 from .text import TextStream
 
@@ -27,6 +28,7 @@ class ChoiceRun:
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[Entry] = field(default_factory=list)  # one per token in `tokens`, when the request asks
     generated: int = 0  # tokens the engine generated (usage counts them, a matched stop string's included)
     text: str = ""
     finish_reason: str | None = None
@@ -58,12 +60,15 @@ class ChoiceRun:
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
                     self.tokens.append(ev.token_id)
+                    if ev.logprob is not None:
+                        self.logprobs.append(ev.logprob)
                     self.generated += 1
                     delta = ts.push(ev.bytes)
                     ends.append(ts.position())
                 if ts.stopped:
                     self.finish_reason, self.stopped_by_string = "stop", True
                     del self.tokens[bisect.bisect_right(ends, len(ts.text)) :]
+                    del self.logprobs[len(self.tokens) :]
                     self.cancel()
                     yield self._clean(delta), "stop", len(self.tokens)
                     return

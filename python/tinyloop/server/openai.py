@@ -11,21 +11,29 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..errors import APIError
+from .generation import ChoiceRun
+from .logprobs import Entry, chat_content, completion_lists
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error
 from .state import ServerState, State
+from .tools import CallReader, ToolUse, render_calls
 
 router = APIRouter()
 
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 # A raw LM keeps writing the conversation; these end the assistant's turn unless the request gives its own `stop`.
-CHAT_DEFAULT_STOP = ["\nUser:", "\nSystem:", "\nAssistant:"]
+CHAT_DEFAULT_STOP = ["\nUser:", "\nSystem:", "\nAssistant:", "\nTool:"]
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """The "Role: content" template: one line per message, then the opened assistant turn."""
-    return "".join(f"{ROLE_NAMES[m.role]}: {m.text()}\n" for m in messages) + "Assistant:"
+def render_chat(messages: list[ChatMessage], tools: ToolUse | None = None) -> str:
+    """The "Role: content" template: the tools' system line if any, one line per message (an assistant's calls
+    after its text), then the opened assistant turn."""
+    lines = [f"System: {tools.preamble()}\n"] if tools else []
+    for m in messages:
+        calls = render_calls(m.tool_calls) if m.tool_calls else ""
+        lines.append(f"{ROLE_NAMES[m.role]}: {m.text()}{calls}\n")
+    return "".join(lines) + "Assistant:"
 
 
 def new_id(prefix: str) -> str:
@@ -34,8 +42,9 @@ def new_id(prefix: str) -> str:
 
 async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
     req.check(state.max_tokens_limit)
-    prompts = await tokenize(state, [render_chat(req.messages)])
-    return Plan(prompts, req.generations(), req.mode_label(), req.stops(CHAT_DEFAULT_STOP), lstrip=True)
+    prompts = await tokenize(state, [render_chat(req.messages, req.tool_use())])
+    stop = req.stops(CHAT_DEFAULT_STOP)
+    return Plan(prompts, req.generations(), req.mode_label(), stop, lstrip=True, grammar_param=req.grammar_param())
 
 
 async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
@@ -51,7 +60,7 @@ async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
         prompts = await tokenize(state, list(p))  # type: ignore[arg-type]
     else:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
-    return Plan(prompts, req.generations(), req.mode_label(), req.stops([]))
+    return Plan(prompts, req.generations(), req.mode_label(), req.stops([]), grammar_param=req.grammar_param())
 
 
 def chat_body(req: ChatCompletionRequest, r: RunningRequest) -> dict[str, Any]:
@@ -60,12 +69,35 @@ def chat_body(req: ChatCompletionRequest, r: RunningRequest) -> dict[str, Any]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model,
-        "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-            for i, c in enumerate(r.choices)
-        ],
+        "choices": [_chat_choice(i, c, req) for i, c in enumerate(r.choices)],
         "usage": r.usage(),
     }
+
+
+def _chat_choice(i: int, c: ChoiceRun, req: ChatCompletionRequest) -> dict[str, Any]:
+    tools = req.tool_use()
+    logprobs = None
+    if req.wanted_logprobs() is not None:
+        logprobs = {"content": chat_content(c.runner.engine, c.tokens, c.logprobs)}
+    if tools is None:
+        message = {"role": "assistant", "content": c.text}
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    reader = CallReader(tools.parallel)
+    content, calls = reader.feed(c.text)
+    content += reader.finish()
+    message = {"role": "assistant", "content": content if content.strip() or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "index": i,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": _tool_finish(c.finish_reason, bool(calls)),
+    }
+
+
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def completion_body(req: CompletionRequest, r: RunningRequest) -> dict[str, Any]:
@@ -75,16 +107,42 @@ def completion_body(req: CompletionRequest, r: RunningRequest) -> dict[str, Any]
         "created": int(time.time()),
         "model": req.model,
         "choices": [
-            {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+            {
+                "text": c.text,
+                "index": i,
+                "logprobs": _completion_logprobs(req, c, c.tokens, c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+            }
             for i, c in enumerate(r.choices)
         ],
         "usage": r.usage(),
     }
 
 
+def _completion_logprobs(
+    req: CompletionRequest, c: ChoiceRun, tokens: list[int], entries: list[Entry], offset: int
+) -> dict[str, Any] | None:
+    if req.wanted_logprobs() is None:
+        return None
+    return completion_lists(c.runner.engine, tokens, entries, offset)
+
+
+class _Handed:
+    """Per choice, the tokens whose log-probabilities a stream has sent: each chunk carries those of the tokens its
+    text completes."""
+
+    def __init__(self, r: RunningRequest):
+        self.r, self.sent = r, [0] * len(r.choices)
+
+    def take(self, i: int, count: int) -> tuple[list[int], list[Entry]]:
+        c, start = self.r.choices[i], self.sent[i]
+        self.sent[i] = max(start, count)
+        return c.tokens[start:count], c.logprobs[start:count]
+
+
 def _chunker(req: OpenAISampling, obj: str, prefix: str):
     """The chunk framing of one stream: its id and fields, and `usage: null` in every chunk when the client asked
-    for usage (the final usage chunk then carries the figures)."""
+    for usage. Every stream ends with a usage chunk (`choices: []`) before `[DONE]`, asked for or not."""
     base = {"id": new_id(prefix), "object": obj, "created": int(time.time()), "model": req.model}
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -92,34 +150,58 @@ def _chunker(req: OpenAISampling, obj: str, prefix: str):
         return sse({**base, "choices": choices, **({"usage": None} if with_usage else {})})
 
     def tail(r: RunningRequest) -> list[bytes]:
-        out = [stream_error(error)] if (error := r.error()) is not None else []
-        if with_usage:
-            out.append(sse({**base, "choices": [], "usage": r.usage()}))
-        return [*out, SSE_DONE]
+        usage = sse({**base, "choices": [], "usage": r.usage()})
+        return [usage, stream_error(error), SSE_DONE] if (error := r.error()) is not None else [usage, SSE_DONE]
 
     return chunk, tail
 
 
 async def chat_events(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIterator[bytes]:
     chunk, tail = _chunker(req, "chat.completion.chunk", "chatcmpl-")
+    tools = req.tool_use()
+    readers = [CallReader(tools.parallel) for _ in r.choices] if tools else []
     for i in range(len(r.choices)):
         yield chunk([{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}])
-    async for i, delta, finish, _ in r.merged_deltas():
+    handed = _Handed(r) if req.wanted_logprobs() is not None else None
+    async for i, delta, finish, count in r.merged_deltas():
+        calls: list[dict[str, Any]] = []
+        if readers:
+            delta, calls = readers[i].feed(delta)
+            delta += readers[i].finish() if finish is not None else ""
+        extra: dict[str, Any] = {}
+        if handed is not None and (delta or finish is not None):
+            tokens, entries = handed.take(i, count)
+            extra = {"logprobs": {"content": chat_content(r.choices[i].runner.engine, tokens, entries)}}
         if delta:
-            yield chunk([{"index": i, "delta": {"content": delta}, "finish_reason": None}])
+            yield chunk([{"index": i, "delta": {"content": delta}, **extra, "finish_reason": None}])
+            extra = {"logprobs": {"content": []}} if extra else {}
+        if calls:
+            first = len(readers[i].calls) - len(calls)
+            deltas = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}])
         if finish is not None:
-            yield chunk([{"index": i, "delta": {}, "finish_reason": finish}])
+            called = bool(readers and readers[i].calls)
+            yield chunk([{"index": i, "delta": {}, **extra, "finish_reason": _tool_finish(finish, called)}])
     for event in tail(r):
         yield event
 
 
 async def completion_events(req: CompletionRequest, r: RunningRequest) -> AsyncIterator[bytes]:
     chunk, tail = _chunker(req, "text_completion", "cmpl-")
-    async for i, delta, finish, _ in r.merged_deltas():
+    handed = _Handed(r)
+    texts = [0] * len(r.choices)  # characters sent per choice: the next chunk's text_offset
+    async for i, delta, finish, count in r.merged_deltas():
+        c = r.choices[i]
+        logprobs = None
+        if delta or finish is not None:
+            tokens, entries = handed.take(i, count)
+            logprobs = _completion_logprobs(req, c, tokens, entries, texts[i])
         if delta:
-            yield chunk([{"text": delta, "index": i, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"text": delta, "index": i, "logprobs": logprobs, "finish_reason": None}])
+            texts[i] += len(delta)
+            logprobs = None
         if finish is not None:
-            yield chunk([{"text": "", "index": i, "logprobs": None, "finish_reason": finish}])
+            yield chunk([{"text": "", "index": i, "logprobs": logprobs, "finish_reason": finish}])
     for event in tail(r):
         yield event
 

@@ -31,6 +31,7 @@ class Plan:
     mode: str = "generate"  # generate / speculative / tree_speculative: the label of stats and metrics
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
+    grammar_param: str | None = None  # the request field a grammar that does not compile came from
 
 
 async def tokenize(state: ServerState, texts: list[str]) -> list[list[int]]:
@@ -171,7 +172,7 @@ def start(state: ServerState, plan: Plan) -> RunningRequest:
                 r.choices.append(ChoiceRun(runner, runner.submit(p, g, plan.mode), plan.stop, plan.lstrip))
     except (InvalidRequestError, ContextLengthError) as e:
         r.cancel()
-        raise APIError(400, str(e)) from e
+        raise APIError(400, str(e), param=plan.grammar_param if "grammar:" in str(e) else None) from e
     except Overloaded as e:
         r.cancel()
         raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e

@@ -61,6 +61,7 @@ class Ended:
     error: str | None = None
     token_id: int = -1
     bytes: bytes = b""
+    logprob: None = None
 
 
 @dataclass

@@ -1,0 +1,37 @@
+"""The base of every request schema, and the range check every family uses.
+
+Types are strict: `"8"` or `8.0` is not an integer, `1` is not a boolean, and `NaN` / `Infinity` are not numbers
+(a failure is 422). A field no schema declares is refused by name (400, `app.py`): nothing is accepted and
+silently ignored, except the fields the schemas declare as ignored and docs/api.md lists with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import APIError
+
+
+def ranged(default: Any, lo: float, hi: float) -> Any:
+    """A numeric field with its range: shown in `/openapi.json` (minimum, maximum) and checked by `check_ranges`
+    (400 naming the field, where a schema violation would be 422)."""
+    return Field(default, json_schema_extra={"minimum": lo, "maximum": hi})
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def check_ranges(self) -> None:
+        """Every `ranged` field within its range."""
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "minimum" in extra:
+                check_range(name, getattr(self, name), extra["minimum"], extra["maximum"])  # type: ignore[arg-type]
+
+
+def check_range(name: str, value: float | int | None, lo: float, hi: float) -> None:
+    """400 naming `name` unless `value` is None or within [lo, hi]."""
+    if value is not None and not lo <= value <= hi:
+        raise APIError(400, f"{name} must be between {lo} and {hi}, got {value}", param=name)
