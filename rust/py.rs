@@ -639,6 +639,13 @@ impl Engine {
         computed(py, || self.inner.score(&ids, &depths))
     }
 
+    /// Per token of `ids` after the first: (its log-probability given the tokens before it at depth `loops`, the
+    /// `n` most likely tokens there with theirs) — a prompt's entries in the shape of `StepEvent.logprob`.
+    fn prompt_logprobs(&self, py: Python<'_>, ids: Vec<u32>, loops: usize, n: usize) -> PyResult<Vec<PyLogprob>> {
+        let entries = computed(py, || self.inner.prompt_logprobs(&ids, loops, n))?;
+        Ok(entries.into_iter().map(|l| (l.logprob, l.top)).collect())
+    }
+
     /// Generate to the end in Rust with the GIL released. `draft=(draft_loops, draft_ahead)` turns on
     /// self-speculative decoding with `loops` as the verify depth; `k_branches > 1` drafts a tree (greedy only).
     /// `grammar` (a `Grammar`) constrains the output to a JSON schema, Lark grammar or regex. `params` may instead be

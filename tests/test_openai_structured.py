@@ -293,3 +293,27 @@ def test_completion_logprobs_in_openais_lists(client, tiny_engine):
     )
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_returns_the_prompt_and_its_log_probabilities(client, tiny_engine, stream):
+    kw = dict(model="m", prompt="Echo this prompt", max_tokens=5, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    if stream:
+        chunks = list(client.completions.create(echo=True, logprobs=2, stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        lists = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        token_logprobs = [v for lp in lists for v in lp.token_logprobs]
+        offsets = [v for lp in lists for v in lp.text_offset]
+    else:
+        choice = client.completions.create(echo=True, logprobs=2, **kw).choices[0]
+        text, token_logprobs, offsets = choice.text, choice.logprobs.token_logprobs, choice.logprobs.text_offset
+    assert text == "Echo this prompt" + plain
+    ids = tiny_engine.encode("Echo this prompt")
+    out = tiny_engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=5))
+    want = tiny_engine.score(ids + out.tokens, [3])[0][0]
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids) + 5
+    assert token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert offsets[0] == 0 and offsets[len(ids)] == len("Echo this prompt")
+    echoed = client.completions.create(echo=True, **kw).choices[0]
+    assert echoed.text == "Echo this prompt" + plain and echoed.logprobs is None

@@ -210,3 +210,13 @@ def test_sampled_logprobs_are_the_models_not_the_samplers(tiny_engine):
     assert tiny_engine.generate(prompt, greedy(4)).logprobs is None
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_prompt_logprobs_equal_the_engines_scores(tiny_engine):
+    ids = tiny_engine.encode("Score every token of this prompt")
+    entries = tiny_engine.prompt_logprobs(ids, 3, 4)
+    logprobs, argmax = tiny_engine.score(ids, [3])[0]
+    assert [e[0] for e in entries] == pytest.approx(logprobs, abs=1e-4)
+    assert [e[1][0][0] for e in entries] == argmax and all(len(e[1]) == 4 for e in entries)
+    with pytest.raises(InvalidRequestError, match="at least two tokens"):
+        tiny_engine.prompt_logprobs(ids[:1], 3, 0)

@@ -290,6 +290,9 @@ class Engine:
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, id: int) -> bytes: ...
     def score(self, ids: list[int], depths: list[int]) -> list[tuple[list[float], list[int]]]: ...
+    def prompt_logprobs(self, ids: list[int], loops: int, n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per token of `ids` after the first: its log-probability given the tokens before it at depth `loops`, and
+        the `n` most likely tokens there (0..20) with theirs."""
     def generate(
         self,
         prompt: str | list[int],

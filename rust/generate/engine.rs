@@ -7,9 +7,10 @@ use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::grammar::Grammars;
 use crate::kv::{KvCache, KvKind};
-use crate::limits::MAX_LOOPS;
+use crate::limits::{MAX_LOGPROBS, MAX_LOOPS};
 use crate::loader::{self, ModelFile};
 use crate::model::{Config, LogitRows, Model, SeqChunk};
+use crate::sampler::TokenLogprob;
 use crate::tokenizer::Tokenizer;
 
 pub struct Engine {
@@ -95,6 +96,21 @@ impl Engine {
             out.push((picked, argmax));
         }
         Ok(out)
+    }
+
+    /// The log-probability of each of `ids[1..]` given the ids before it at depth `loops`, with the `n` most likely
+    /// tokens at each position (a prompt's log-probabilities, as a generated token's are recorded: `TokenLogprob`).
+    pub fn prompt_logprobs(&self, ids: &[u32], loops: usize, n: usize) -> Result<Vec<TokenLogprob>> {
+        ensure_arg!(ids.len() >= 2, "prompt log-probabilities need at least two tokens");
+        ensure_arg!(ids.len() <= self.max_seq_len, "{} tokens exceed max_seq_len {}", ids.len(), self.max_seq_len);
+        ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
+        ensure_arg!(n <= MAX_LOGPROBS, "logprobs must be in 0..={MAX_LOGPROBS}, got {n}");
+        self.check_tokens(ids, "token id")?;
+        let mut cache = self.model.new_cache(ids.len());
+        let inputs = &ids[..ids.len() - 1];
+        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None }];
+        let rows = self.model.forward(&mut seqs, loops, LogitRows::All)?.to_vec2::<f32>()?;
+        Ok(rows.iter().zip(&ids[1..]).map(|(row, &next)| TokenLogprob::of(row, next, n)).collect())
     }
 
     /// Every id in `ids` is a token of the vocabulary (`what` names the ids in the error).

@@ -9,6 +9,13 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+impl TokenLogprob {
+    /// `token`'s entry in one row of raw logits, with the row's `n` most likely tokens.
+    pub fn of(logits: &[f32], token: u32, n: usize) -> Self {
+        Scored::of(logits, n).entry(token)
+    }
+}
+
 /// A row's normaliser and best `n`, held from the moment the sampler sees the row until its token is emitted.
 pub(super) struct Scored {
     raw: Vec<f32>,

@@ -4,12 +4,32 @@ each token is named by its text (bytes that are not whole UTF-8 characters shown
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .._core import Engine
 
-# One token's engine entry: (log-probability, [(alternative id, its log-probability), ...]).
+# One token's engine entry: (log-probability, [(alternative id, its log-probability), ...]); None for a prompt's
+# first token, which nothing predicts.
 Entry = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, returned before the completion (`echo`): its text, its tokens and, when log
+    probabilities are asked for, each token's entry."""
+
+    text: str
+    tokens: list[int]
+    entries: list[Entry | None]
+
+
+def echo(engine: Engine, text: str | None, tokens: list[int], loops: int, n: int | None) -> Echo:
+    """The prompt as given (or decoded, for token ids) and, with `n`, its log-probabilities at depth `loops`."""
+    entries: list[Entry | None] = []
+    if n is not None:
+        entries = [None, *(engine.prompt_logprobs(tokens, loops, n) if len(tokens) > 1 else [])]
+    return Echo(engine.decode(tokens) if text is None else text, tokens, entries)
 
 
 def _named(engine: Engine, token: int) -> tuple[str, list[int]]:
@@ -30,9 +50,9 @@ def chat_content(engine: Engine, tokens: list[int], entries: list[Entry]) -> lis
     return out
 
 
-def completion_lists(engine: Engine, tokens: list[int], entries: list[Entry], offset: int) -> dict[str, Any]:
+def completion_lists(engine: Engine, tokens: list[int], entries: list[Entry | None], offset: int) -> dict[str, Any]:
     """`choices[i].logprobs` of completions: tokens, token_logprobs, top_logprobs (a dict per token) and text_offset
-    (each token's start in the choice's text, counting from `offset`)."""
+    (each token's start in the choice's text, counting from `offset`); an echoed prompt's first token has nulls."""
     names, offsets, position = [], [], offset
     for token in tokens:
         text, _ = _named(engine, token)
@@ -41,7 +61,7 @@ def completion_lists(engine: Engine, tokens: list[int], entries: list[Entry], of
         position += len(text)
     return {
         "tokens": names,
-        "token_logprobs": [logprob for logprob, _ in entries],
-        "top_logprobs": [{_named(engine, alt)[0]: lp for alt, lp in top} for _, top in entries],
+        "token_logprobs": [e[0] if e else None for e in entries],
+        "top_logprobs": [{_named(engine, alt)[0]: lp for alt, lp in e[1]} if e else None for e in entries],
         "text_offset": offsets,
     }

@@ -3,6 +3,8 @@ the shapes the openai SDK reads. The LM Studio family (lmstudio.py) reuses these
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,7 +14,7 @@ from fastapi import APIRouter
 
 from ..errors import APIError
 from .generation import ChoiceRun
-from .logprobs import Entry, chat_content, completion_lists
+from .logprobs import Echo, Entry, chat_content, completion_lists, echo
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error
@@ -60,7 +62,21 @@ async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
         prompts = await tokenize(state, list(p))  # type: ignore[arg-type]
     else:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
-    return Plan(prompts, req.generations(), req.mode_label(), req.stops([]), grammar_param=req.grammar_param())
+    plan = Plan(prompts, req.generations(), req.mode_label(), req.stops([]), grammar_param=req.grammar_param())
+    if not req.echo:
+        return plan
+    texts: list[str | None] = [None] * len(prompts)  # the prompt text as given; token ids are decoded
+    if isinstance(p, str):
+        texts = [p]
+    elif all(isinstance(x, str) for x in p):
+        texts = list(p)  # type: ignore[arg-type]
+    engine, _ = state.require_engine()
+    depth, n = req.depth(engine.info.default_loops), req.wanted_logprobs()
+    loop = asyncio.get_running_loop()
+    echoes = await loop.run_in_executor(
+        state.tokenizer_pool, lambda: [echo(engine, t, ids, depth, n) for t, ids in zip(texts, prompts, strict=True)]
+    )
+    return dataclasses.replace(plan, echo=echoes)
 
 
 def chat_body(req: ChatCompletionRequest, r: RunningRequest) -> dict[str, Any]:
@@ -108,9 +124,11 @@ def completion_body(req: CompletionRequest, r: RunningRequest) -> dict[str, Any]
         "model": req.model,
         "choices": [
             {
-                "text": c.text,
+                "text": _echoed(r, i).text + c.text,
                 "index": i,
-                "logprobs": _completion_logprobs(req, c, c.tokens, c.logprobs, 0),
+                "logprobs": _completion_logprobs(
+                    req, c, _echoed(r, i).tokens + c.tokens, [*_echoed(r, i).entries, *c.logprobs], 0
+                ),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(r.choices)
@@ -119,8 +137,16 @@ def completion_body(req: CompletionRequest, r: RunningRequest) -> dict[str, Any]
     }
 
 
+NO_ECHO = Echo("", [], [])
+
+
+def _echoed(r: RunningRequest, choice: int) -> Echo:
+    """What choice `choice` returns before its text: its prompt when the request asks for `echo`."""
+    return r.plan.echo[r.plan.prompt_of(choice)] if r.plan.echo else NO_ECHO
+
+
 def _completion_logprobs(
-    req: CompletionRequest, c: ChoiceRun, tokens: list[int], entries: list[Entry], offset: int
+    req: CompletionRequest, c: ChoiceRun, tokens: list[int], entries: list[Entry | None], offset: int
 ) -> dict[str, Any] | None:
     if req.wanted_logprobs() is None:
         return None
@@ -190,6 +216,11 @@ async def completion_events(req: CompletionRequest, r: RunningRequest) -> AsyncI
     chunk, tail = _chunker(req, "text_completion", "cmpl-")
     handed = _Handed(r)
     texts = [0] * len(r.choices)  # characters sent per choice: the next chunk's text_offset
+    for i, c in enumerate(r.choices):
+        if (echoed := _echoed(r, i)) is not NO_ECHO:
+            logprobs = _completion_logprobs(req, c, echoed.tokens, list(echoed.entries), 0)
+            yield chunk([{"text": echoed.text, "index": i, "logprobs": logprobs, "finish_reason": None}])
+            texts[i] = len(echoed.text)
     async for i, delta, finish, count in r.merged_deltas():
         c = r.choices[i]
         logprobs = None

@@ -224,6 +224,12 @@ class ChatCompletionRequest(OpenAISampling):
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = ranged(None, 0, MAX_LOGPROBS)  # alternatives per token; null: none
+    echo: bool = False  # return the prompt before the completion (with its log probabilities, when asked)
+
+    def depth(self, default_loops: int) -> int:
+        """The depth tokens are chosen (and an echoed prompt scored) at."""
+        g = self.generations()[0]
+        return g.speculative.verify_loops if g.speculative else (g.loops or default_loops)
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs

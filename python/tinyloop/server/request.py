@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from .._core import ContextLengthError, Generation, InvalidRequestError
 from ..errors import APIError
 from .generation import ChoiceRun
+from .logprobs import Echo
 from .protocol import usage
 from .runner import Overloaded
 from .sse import sse_response
@@ -32,6 +33,11 @@ class Plan:
     stop: Sequence[str] = ()
     lstrip: bool = False  # chat: drop the whitespace the model puts after "Assistant:"
     grammar_param: str | None = None  # the request field a grammar that does not compile came from
+    echo: list[Echo] | None = None  # completions with `echo`: each prompt, returned before its choices' text
+
+    def prompt_of(self, choice: int) -> int:
+        """The prompt choice `choice` answers (choice p·n + i is sample i of prompt p)."""
+        return choice // len(self.generations)
 
 
 async def tokenize(state: ServerState, texts: list[str]) -> list[list[int]]:
