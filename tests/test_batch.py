@@ -112,7 +112,7 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
 
         async def submit(prompt: str, n: int = 1) -> RunningRequest:
             req = CompletionRequest(model="m", prompt=prompt, max_tokens=3, n=n)
-            return start(state, await completion_plan(state, req))
+            return await start(state, await completion_plan(state, req))
 
         held = await submit("x", n=2)
         with pytest.raises(APIError) as e:

@@ -37,7 +37,7 @@ pub(super) struct Member<'g> {
 /// its `ready`. Nothing is emitted unless every pass succeeded.
 pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> Result<()> {
     let mut rounds: Vec<Option<ChainRound>> = members
-        .iter()
+        .iter_mut()
         .map(|m| match m.work {
             Work::Chain(spec) => ChainRound::start(m.seq, spec).map(Some),
             Work::Plain(_) => Ok(None),

@@ -29,8 +29,9 @@ pub(super) struct ChainRound {
 
 impl ChainRound {
     /// Begin a round from the pending token (which stays pending until `finish`, so a failed pass leaves the
-    /// sequence as it was).
-    pub fn start(seq: &SeqState, spec: Speculative) -> Result<Self> {
+    /// sequence as it was — its grammar too: drafts a failed round advanced it by are undone here).
+    pub fn start(seq: &mut SeqState, spec: Speculative) -> Result<Self> {
+        seq.sampler.rewind_drafts();
         let x0 = seq.pending.ok_or_else(|| Error::Internal("speculative round without a pending token".into()))?;
         let k = spec.draft_ahead.min(seq.remaining()).max(1);
         Ok(Self { spec, k, inputs: vec![x0], hidden: Vec::with_capacity(k), proposals: Vec::with_capacity(k) })

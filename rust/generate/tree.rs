@@ -16,6 +16,7 @@ use crate::sampler::top_ids;
 pub(super) fn round(model: &Model, seq: &mut SeqState, spec: Speculative) -> Result<()> {
     let x0 = seq.pending.ok_or_else(|| Error::Internal("tree round without a pending token".into()))?;
     let k = spec.draft_ahead.min(seq.remaining()).max(1);
+    seq.sampler.rewind_drafts(); // a round that failed after drafting left its drafts in the grammar
     let tree = Tree::draft(model, seq, spec, x0, k)?;
     let tokens: Vec<u32> = vec![0; tree.hidden.len()];
     let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: tree.p0, tokens: &tokens, tree: Some(&tree.rows) }];

@@ -167,7 +167,7 @@ def stop_reason(c: ChoiceRun | None) -> str | None:
     )
 
 
-def start(state: ServerState, plan: Plan) -> RunningRequest:
+async def start(state: ServerState, plan: Plan) -> RunningRequest:
     """Check the plan's prompts and submit every choice to the engine runner."""
     _check_prompts(state, plan)
     _, runner = state.require_engine()
@@ -175,13 +175,17 @@ def start(state: ServerState, plan: Plan) -> RunningRequest:
     try:
         for p in plan.prompts:
             for g in plan.generations:
-                r.choices.append(ChoiceRun(runner, runner.submit(p, g, plan.mode), plan.stop, plan.lstrip))
+                job = await runner.submit(p, g, plan.mode)
+                r.choices.append(ChoiceRun(runner, job, plan.stop, plan.lstrip))
     except (InvalidRequestError, ContextLengthError) as e:
         r.cancel()
         raise APIError(400, str(e), param=plan.grammar_param if "grammar:" in str(e) else None) from e
     except Overloaded as e:
         r.cancel()
         raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}) from e
+    except BaseException:  # cancelled while a grammar compiled: no choice may run without its request
+        r.cancel()
+        raise
     runner.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
     return r
 
@@ -194,7 +198,7 @@ async def respond(
     events: Callable[[RunningRequest], AsyncIterator[bytes]],
 ) -> dict[str, Any] | Response:
     """Run a plan and answer: SSE events as they come, or the JSON body once every choice has finished."""
-    r = start(state, plan)
+    r = await start(state, plan)
     if stream:
         return sse_response(events(r))
     await r.complete()

@@ -110,10 +110,14 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], generation: Generation, mode: str = "generate") -> Job:
+    async def submit(self, prompt: list[int], generation: Generation, mode: str = "generate") -> Job:
         """Queue a generation (`mode` labels its draft-token metrics). Raises the engine's typed errors (bad
-        arguments, context length) at once."""
-        stream = self.engine.stream(prompt, generation)
+        arguments, context length) at once. A generation with a grammar is set up off the event loop: compiling
+        one takes milliseconds (the first, which builds the vocabulary's token trie, a hundred or more)."""
+        if generation.grammar is None:
+            stream = self.engine.stream(prompt, generation)
+        else:
+            stream = await asyncio.get_running_loop().run_in_executor(None, self.engine.stream, prompt, generation)
         job = Job(stream=stream, loop=asyncio.get_running_loop(), mode=mode, loops=stream.loops)
         with self._cv:
             if self._closing:
