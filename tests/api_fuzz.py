@@ -24,7 +24,7 @@ class FuzzReport:
         return sum(sum(c.values()) for c in self.statuses.values())
 
 
-def _problem(status: int, body: bytes, content_type: str) -> str | None:
+def _problem(status: int, body: bytes, content_type: str, path: str = "") -> str | None:
     if status >= 500:
         return f"status {status}"
     if status < 400:
@@ -34,10 +34,15 @@ def _problem(status: int, body: bytes, content_type: str) -> str | None:
     import json
 
     try:
-        err = json.loads(body)["error"]
+        whole = json.loads(body)
+        err = whole["error"]
     except (ValueError, KeyError, TypeError):
         return f"status {status} without the error shape: {body[:200]!r}"
-    if set(err) != {"message", "type", "param", "code"} or not isinstance(err["message"], str):
+    # The Anthropic Messages routes answer in Anthropic's shape, every other route in OpenAI's (docs/api.md).
+    keys = {"message", "type"} if path.startswith("/v1/messages") else {"message", "type", "param", "code"}
+    if path.startswith("/v1/messages") and whole.get("type") != "error":
+        return f"status {status} without Anthropic's outer type: {body[:200]!r}"
+    if set(err) != keys or not isinstance(err["message"], str):
         return f"status {status} with error keys {sorted(err)}"
     return None
 
@@ -64,7 +69,7 @@ def fuzz(base: str, examples: int, seed: int = 0) -> FuzzReport:
             r = case.call(base_url=base, timeout=60)
             counts[r.status_code] += 1  # noqa: B023
             ctype = r.headers.get("content-type") or [""]  # schemathesis keeps each header as a list
-            problem = _problem(r.status_code, r.content, ctype[0] if isinstance(ctype, list) else ctype)
+            problem = _problem(r.status_code, r.content, ctype[0] if isinstance(ctype, list) else ctype, op.path)  # noqa: B023
             if problem:
                 report.failures.append(f"{name} ({mode.value}): {problem}; body sent: {case.body!r:.300}")  # noqa: B023
 

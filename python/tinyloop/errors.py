@@ -1,4 +1,5 @@
-"""Errors in the API's own shape: `{"error": {"message", "type", "param", "code"}}` (what the openai SDK expects)."""
+"""Errors in each API's own shape: `{"error": {"message", "type", "param", "code"}}` (what the openai SDK expects), and
+`{"type": "error", "error": {"type", "message"}}` on the Anthropic Messages routes (what the anthropic SDK expects)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,29 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error in the shape of the API family that `path` belongs to."""
+        return anthropic_error_body(self.status, self.message) if path.startswith(ANTHROPIC_ROUTES) else self.body()
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    }
+
+
+ANTHROPIC_ROUTES = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message},
     }

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import lmstudio, native, openai
+from . import anthropic, lmstudio, native, openai
 from .config import ServerConfig
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
@@ -38,8 +38,8 @@ class ORJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def _error(e: APIError) -> ORJSONResponse:
-    return ORJSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error(e: APIError, request: Request) -> ORJSONResponse:
+    return ORJSONResponse(e.body_for(request.url.path), status_code=e.status, headers=e.headers)
 
 
 def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
@@ -79,37 +79,39 @@ def _error_handlers(app: FastAPI) -> None:
     engine's, and anything unexpected (500, logged)."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return _error(e)
+    async def api_error(request: Request, e: APIError):
+        return _error(e, request)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException):  # unknown routes (404), wrong methods (405)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes (404), wrong methods (405)
         message = {404: "no such route", 405: "method not allowed on this route"}.get(e.status_code, str(e.detail))
-        return _error(APIError(e.status_code, message, headers=dict(e.headers or {})))
+        return _error(APIError(e.status_code, message, headers=dict(e.headers or {})), request)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception):
+    async def unexpected(request: Request, e: Exception):
         log.exception("unexpected error")
-        return _error(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+        return _error(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"), request)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         unknown = next((err for err in errors if err.get("type") == "extra_forbidden"), None)
         if unknown is not None:  # a field no schema declares: refused by name, never ignored
             name = ".".join(str(x) for x in unknown.get("loc", []) if x != "body")
-            return _error(APIError(400, f"unsupported parameter: {name} is not implemented by tinyloop", param=name))
+            return _error(
+                APIError(400, f"unsupported parameter: {name} is not implemented by tinyloop", param=name), request
+            )
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = "; ".join(
             f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body')}: {err.get('msg')}" for err in errors
         )
-        return _error(APIError(422, f"invalid request: {msg}", param=".".join(loc) or None))
+        return _error(APIError(422, f"invalid request: {msg}", param=".".join(loc) or None), request)
 
     @app.exception_handler(EngineError)
-    async def engine_error(_: Request, e: EngineError):
+    async def engine_error(request: Request, e: EngineError):
         log.exception("engine error")
-        return _error(APIError(500, str(e), code="engine_error"))
+        return _error(APIError(500, str(e), code="engine_error"), request)
 
 
 def create_app(cfg: ServerConfig | None = None) -> FastAPI:
@@ -150,6 +152,6 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics_json():
         return metrics.snapshot()
 
-    for family in (openai, lmstudio, native):
+    for family in (openai, lmstudio, native, anthropic):
         app.include_router(family.router)
     return app

@@ -33,8 +33,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _JSON_TYPES = ("application/json", "text/json")
 
 
-async def send_error(send: Send, e: APIError) -> None:
-    body = orjson.dumps(e.body())
+async def send_error(send: Send, e: APIError, path: str = "") -> None:
+    body = orjson.dumps(e.body_for(path))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
@@ -77,7 +77,7 @@ class Gate:
                 return  # the client left while sending its body
             _check_body(scope, body)
         except APIError as e:
-            return await send_error(counted, e)
+            return await send_error(counted, e, scope["path"])
         await self._run_watched(scope, receive, counted, body)
 
     def _authorize(self, scope: Scope) -> None:

@@ -33,6 +33,7 @@ class ChoiceRun:
     text: str = ""
     finish_reason: str | None = None
     stopped_by_string: bool = False
+    stop_string: str | None = None  # which one, when a stop string ended the text
     error: str | None = None  # the engine's message when finish_reason is "error"
     first_token_at: float | None = None
 
@@ -66,7 +67,7 @@ class ChoiceRun:
                     delta = ts.push(ev.bytes)
                     ends.append(ts.position())
                 if ts.stopped:
-                    self.finish_reason, self.stopped_by_string = "stop", True
+                    self.finish_reason, self.stopped_by_string, self.stop_string = "stop", True, ts.matched
                     del self.tokens[bisect.bisect_right(ends, len(ts.text)) :]
                     del self.logprobs[len(self.tokens) :]
                     self.cancel()

@@ -17,6 +17,7 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self._held = ""  # decoded text not yet emitted (a possible stop-string prefix)
         self.stopped = False  # a stop string matched: the caller ends the generation
+        self.matched: str | None = None  # the stop string that matched (the earliest in the text)
         self.text = ""  # everything emitted so far
 
     def push(self, data: bytes) -> str:
@@ -43,7 +44,7 @@ class TextStream:
         for s in self._stop:
             i = self._held.find(s)
             if i != -1 and (cut is None or i < cut):
-                cut = i
+                cut, self.matched = i, s
         if cut is not None:
             out, self._held, self.stopped = self._held[:cut], "", True
         elif final:

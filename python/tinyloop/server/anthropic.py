@@ -1,0 +1,309 @@
+"""The Anthropic Messages family: `POST /v1/messages` (JSON, and SSE in Anthropic's event sequence) and
+`POST /v1/messages/count_tokens`. A request becomes the chat template's conversation (`openai.render_chat`):
+`tool_use` blocks are the assistant's calls, `tool_result` blocks are tool messages, and the reply's calls come back
+as `tool_use` blocks. Errors on these routes have Anthropic's shape (`errors.py`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from .._core import MAX_LOOPS, MAX_TOP_K, Generation, Grammar
+from ..errors import APIError
+from .openai import CHAT_DEFAULT_STOP, render_chat
+from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling
+from .request import Plan, RunningRequest, respond, tokenize
+from .state import ServerState, State
+from .strict import Strict, ranged
+from .structured import NAME_PATTERN
+from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse
+
+router = APIRouter()
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock]
+
+
+class AnthropicTool(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoiceSpec(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: OutputFormat | None = None
+
+
+class Conversation(Strict):
+    """What both routes read (the body of `/v1/messages/count_tokens`): the conversation and its tools."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoiceSpec | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+
+    def prompt(self) -> str:
+        """The text `/v1/messages` prefills: the chat template over the conversation and the tools."""
+        return render_chat(self.conversation(), self.tool_use())
+
+    def check_conversation(self) -> None:
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise APIError(
+                400,
+                f"thinking.type {self.thinking.type!r} is not supported: this model does not think",
+                param="thinking",
+            )
+        tools = self.tool_use()
+        if self.output_config and self.output_config.format and tools and tools.forced:
+            raise APIError(400, "a forced tool call and output_config.format cannot both shape the output")
+
+    def tool_use(self) -> ToolUse | None:
+        tools = [
+            Tool(
+                type="function", function=FunctionDef(name=t.name, description=t.description, parameters=t.input_schema)
+            )
+            for t in self.tools or []
+        ]
+        spec = self.tool_choice
+        choice = {None: None, "auto": "auto", "any": "required", "none": "none"}.get(spec.type if spec else None)
+        if spec is not None and spec.type == "tool":
+            if spec.name is None:
+                raise APIError(400, "tool_choice of type tool needs a name")
+            choice = NamedToolChoice(type="function", function={"name": spec.name})  # type: ignore[arg-type]
+        parallel = not (spec and spec.disable_parallel_tool_use)
+        return ToolUse.of(tools or None, choice, parallel)  # type: ignore[arg-type]
+
+    def conversation(self) -> list[ChatMessage]:
+        """The request as the chat template's messages."""
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+        out = [ChatMessage(role="system", content=system)] if system else []
+        for m in self.messages:
+            blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            calls = [
+                ToolCall(id=b.id, type="function", function=FunctionCall(name=b.name, arguments=json.dumps(b.input)))
+                for b in blocks
+                if isinstance(b, ToolUseBlock)
+            ]
+            for b in blocks:
+                if isinstance(b, ToolResultBlock):
+                    result = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content)
+                    out.append(ChatMessage(role="tool", content=result, tool_call_id=b.tool_use_id))
+            if text or calls or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                out.append(ChatMessage(role=m.role, content=text, tool_calls=calls or None))
+        return out
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int = ranged(..., 1, MAX_TOKENS_LIMIT)  # required, as Anthropic requires it
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float = ranged(1.0, 0.0, 1.0)
+    top_p: float = ranged(1.0, 0.0, 1.0)
+    top_k: int = ranged(0, 0, MAX_TOP_K)
+    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knob
+    # Accepted and ignored (docs/api.md): nothing is stored or billed per user, and there is one service tier.
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    def check(self, max_tokens_limit: int) -> None:
+        self.check_ranges()
+        if self.max_tokens > max_tokens_limit:
+            raise APIError(400, f"max_tokens must be at most {max_tokens_limit}", param="max_tokens")
+        self.check_conversation()
+
+    def sampling(self) -> OpenAISampling:
+        """The same sampling as a chat request (one home for turning fields into a `Generation`)."""
+        fmt = self.output_config.format if self.output_config else None
+        response_format = (
+            {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None
+        )
+        return OpenAISampling.model_validate(
+            {
+                "model": self.model,
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "loops": self.loops,
+                "response_format": response_format,
+            }
+        )
+
+    def grammar(self) -> Grammar | None:
+        tools = self.tool_use()
+        return tools.grammar() if tools and tools.forced else self.sampling().grammar()
+
+
+async def plan(state: ServerState, req: MessagesRequest) -> Plan:
+    req.check(state.max_tokens_limit)
+    prompts = await tokenize(state, [req.prompt()])
+    generations = [Generation(g.params, loops=g.loops, grammar=req.grammar()) for g in req.sampling().generations()]
+    stop = [*(req.stop_sequences or []), *CHAT_DEFAULT_STOP]
+    tools = req.tool_use()
+    param = "tools" if tools and tools.forced else "output_config"
+    return Plan(prompts, generations, "generate", stop, lstrip=True, grammar_param=param)
+
+
+def _blocks(text: str, tools: ToolUse | None) -> list[dict[str, Any]]:
+    if tools is None:
+        return [{"type": "text", "text": text}]
+    reader = CallReader(tools.parallel)
+    content, calls = reader.feed(text)
+    content += reader.finish()
+    out: list[dict[str, Any]] = [{"type": "text", "text": content}] if content.strip() or not calls else []
+    return out + [_tool_use(c) for c in calls]
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    f = call["function"]
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": f["name"],
+        "input": json.loads(f["arguments"]),
+    }
+
+
+def _stop(r: RunningRequest, called: bool) -> tuple[str, str | None]:
+    c = r.choices[0]
+    if c.finish_reason in ("error", "aborted"):
+        raise APIError(500 if c.finish_reason == "error" else 503, r.error() or "the request was aborted")
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if c.stop_string is not None and c.stop_string not in CHAT_DEFAULT_STOP:
+        return "stop_sequence", c.stop_string
+    return "end_turn", None
+
+
+def _usage(r: RunningRequest) -> dict[str, int]:
+    u = r.usage()
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}
+
+
+def body(req: MessagesRequest, r: RunningRequest) -> dict[str, Any]:
+    content = _blocks(r.choices[0].text, req.tool_use())
+    stop_reason, stop_sequence = _stop(r, any(b["type"] == "tool_use" for b in content))
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(r),
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+
+
+async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes]:
+    """message_start, ping, then per content block its start, deltas and stop, then message_delta (stop reason and
+    usage) and message_stop; a failure after the 200 ends the stream with an `error` event."""
+    message = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
+    usage = {"input_tokens": sum(len(p) for p in r.plan.prompts), "output_tokens": 0}
+    yield _event(
+        "message_start",
+        {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}},
+    )
+    yield _event("ping", {})
+    tools = req.tool_use()
+    reader = CallReader(tools.parallel) if tools else None
+    index, text_open, called = 0, False, False
+    async for _, delta, finish, _ in r.merged_deltas():
+        calls: list[dict[str, Any]] = []
+        if reader is not None:
+            delta, calls = reader.feed(delta)
+            delta += reader.finish() if finish is not None else ""
+        if delta:
+            if not text_open:
+                yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+                text_open = True
+            yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": delta}})
+        for call in calls:
+            if text_open:
+                yield _event("content_block_stop", {"index": index})
+                index, text_open = index + 1, False
+            block = _tool_use(call)
+            yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+            partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield _event("content_block_delta", {"index": index, "delta": partial})
+            yield _event("content_block_stop", {"index": index})
+            index, called = index + 1, True
+    if text_open:
+        yield _event("content_block_stop", {"index": index})
+    try:
+        stop_reason, stop_sequence = _stop(r, called)
+    except APIError as e:
+        yield _event("error", {"error": e.body_for("/v1/messages")["error"]})
+        return
+    yield _event(
+        "message_delta",
+        {
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": _usage(r)["output_tokens"]},
+        },
+    )
+    yield _event("message_stop", {})
+
+
+@router.post("/v1/messages")
+async def messages(req: MessagesRequest, state: State):
+    return await respond(state, await plan(state, req), req.stream, lambda r: body(req, r), lambda r: events(req, r))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(req: Conversation, state: State):
+    """The tokens `/v1/messages` would prefill for the same request; nothing is generated."""
+    req.check_conversation()
+    return {"input_tokens": len((await tokenize(state, [req.prompt()]))[0])}
