@@ -1,0 +1,339 @@
+"""The Responses family: `POST /v1/responses`, JSON and SSE in the Responses event sequence. A request becomes the
+chat template's conversation (`openai.render_chat`): `instructions` is the system line, `function_call` items are
+the assistant's calls and `function_call_output` items tool messages; the reply's calls come back as
+`function_call` output items. Nothing is stored: `store: true` and `previous_response_id` are refused by name."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import Field, model_validator
+
+from .._core import MAX_LOOPS, Generation, Grammar
+from ..errors import APIError
+from .generation import ChoiceRun
+from .openai import CHAT_DEFAULT_STOP, render_chat
+from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling
+from .request import Plan, RunningRequest, respond, tokenize
+from .state import ServerState, State
+from .strict import Strict, ranged
+from .structured import NAME_PATTERN
+from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse
+
+router = APIRouter()
+
+
+class TextPart(Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # on output_text parts a client sends back; nothing to do with them
+
+
+class MessageItem(Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(Strict):
+    type: str
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Strict):
+    type: str
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Strict):
+    effort: str | None = None
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = ranged(None, 1, MAX_TOKENS_LIMIT)
+    temperature: float = ranged(1.0, 0.0, 2.0)
+    top_p: float = ranged(1.0, 0.0, 1.0)
+    stream: bool = False
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool | None = None  # only false: nothing is stored
+    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knob
+    # Accepted and ignored, as on chat (docs/api.md).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def check(self, max_tokens_limit: int) -> None:
+        self.check_ranges()
+        if self.max_output_tokens is not None and self.max_output_tokens > max_tokens_limit:
+            raise APIError(400, f"max_output_tokens must be at most {max_tokens_limit}", param="max_output_tokens")
+        if self.store:
+            raise APIError(400, "store: true is not supported: tinyloop keeps no responses", param="store")
+        if self.reasoning is not None and self.reasoning.effort not in (None, "none"):
+            raise APIError(
+                400, 'this model does not reason: reasoning.effort may only be "none"', param="reasoning.effort"
+            )
+        tools = self.tool_use()
+        if tools and tools.forced and self.text and self.text.format and self.text.format.type != "text":
+            raise APIError(400, "a forced tool call and text.format cannot both shape the output", param="tool_choice")
+
+    def tool_use(self) -> ToolUse | None:
+        tools = [
+            Tool(type=t.type, function=FunctionDef(name=t.name, description=t.description, parameters=t.parameters))
+            for t in self.tools or []
+        ]
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = NamedToolChoice(type=choice.type, function={"name": choice.name})  # type: ignore[assignment,arg-type]
+        return ToolUse.of(tools or None, choice, self.parallel_tool_calls)  # type: ignore[arg-type]
+
+    def conversation(self) -> list[ChatMessage]:
+        out = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+                out.append(ChatMessage(role=item.role, content=text))
+            elif isinstance(item, FunctionCallItem):
+                call = ToolCall(
+                    id=item.call_id, type="function", function=FunctionCall(name=item.name, arguments=item.arguments)
+                )
+                if out and out[-1].role == "assistant":
+                    out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+                else:
+                    out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            else:
+                out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        return out
+
+    def grammar(self) -> Grammar | None:
+        tools = self.tool_use()
+        if tools and tools.forced:
+            return tools.grammar()
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = fmt.schema_ if fmt.type == "json_schema" else {"type": "object"}
+        return Grammar.json_schema({} if schema is None else schema)
+
+    def generation(self) -> Generation:
+        sampling = OpenAISampling.model_validate(
+            {"model": self.model, "temperature": self.temperature, "top_p": self.top_p, "loops": self.loops}
+            | ({"max_tokens": self.max_output_tokens} if self.max_output_tokens else {})
+        )
+        g = sampling.generations()[0]
+        return Generation(g.params, loops=g.loops, grammar=self.grammar())
+
+
+async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
+    req.check(state.max_tokens_limit)
+    prompts = await tokenize(state, [render_chat(req.conversation(), req.tool_use())])
+    tools = req.tool_use()
+    param = "tools" if tools and tools.forced else "text.format"
+    return Plan(prompts, [req.generation()], "generate", CHAT_DEFAULT_STOP, lstrip=True, grammar_param=param)
+
+
+def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {
+        "type": "message",
+        "id": item_id or f"msg_{uuid.uuid4().hex[:24]}",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _function_call(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
+    f = call["function"]
+    done = arguments is None
+    return {
+        "type": "function_call",
+        "id": f"fc_{call['id'][len('call_') :]}",
+        "call_id": call["id"],
+        "name": f["name"],
+        "arguments": f["arguments"] if done else arguments,
+        "status": "completed" if done else "in_progress",
+    }
+
+
+class Envelope:
+    """One response's fixed fields, and its final state once the generation has ended."""
+
+    def __init__(self, req: ResponsesRequest, r: RunningRequest):
+        self.req, self.r = req, r
+        self.id, self.created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def response(self, output: list[dict[str, Any]], status: str = "in_progress") -> dict[str, Any]:
+        req = self.req
+        done = status != "in_progress"
+        u = self.r.usage()
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": {"code": "server_error", "message": self.r.error() or "aborted"} if status == "failed" else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": req.model,
+            "instructions": req.instructions,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tool_choice": req.tool_choice.model_dump()
+            if isinstance(req.tool_choice, FunctionChoice)
+            else req.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "max_output_tokens": req.max_output_tokens,
+            "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if req.text and req.text.format
+            else {"format": {"type": "text"}},
+            "usage": {
+                "input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"],
+            }
+            if done
+            else None,
+            "metadata": {},
+        }
+
+    def final_status(self) -> str:
+        finish = self.r.choices[0].finish_reason
+        return {"length": "incomplete", "error": "failed", "aborted": "failed"}.get(finish or "", "completed")
+
+
+def output_items(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
+    if tools is None:
+        return [_message(c.text)]
+    reader = CallReader(tools.parallel)
+    content, calls = reader.feed(c.text)
+    content += reader.finish()
+    items = [_message(content)] if content.strip() or not calls else []
+    return items + [_function_call(call) for call in calls]
+
+
+def body(req: ResponsesRequest, r: RunningRequest) -> dict[str, Any]:
+    env = Envelope(req, r)
+    return env.response(output_items(r.choices[0], req.tool_use()), env.final_status())
+
+
+def _event(kind: str, seq: int, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n".encode()
+
+
+async def events(req: ResponsesRequest, r: RunningRequest) -> AsyncIterator[bytes]:
+    """response.created and .in_progress; per output item its added / deltas / done events; then
+    response.completed (or .incomplete, .failed) with the whole response."""
+    env, seq = Envelope(req, r), iter(range(1 << 62))
+    yield _event("response.created", next(seq), {"response": env.response([])})
+    yield _event("response.in_progress", next(seq), {"response": env.response([])})
+    tools = req.tool_use()
+    reader = CallReader(tools.parallel) if tools else None
+    output: list[dict[str, Any]] = []
+    text, message = "", None
+    async for _, delta, finish, _ in r.merged_deltas():
+        calls: list[dict[str, Any]] = []
+        if reader is not None:
+            delta, calls = reader.feed(delta)
+            delta += reader.finish() if finish is not None else ""
+        if delta:
+            if message is None:
+                message = _message("", "in_progress")
+                place = {"output_index": len(output), "item_id": message["id"]}
+                yield _event("response.output_item.added", next(seq), {"output_index": len(output), "item": message})
+                part = {"type": "output_text", "text": "", "annotations": []}
+                yield _event("response.content_part.added", next(seq), {**place, "content_index": 0, "part": part})
+            text += delta
+            yield _event("response.output_text.delta", next(seq), {**place, "content_index": 0, "delta": delta})
+        for call in calls:
+            if message is not None:
+                for event in _close_message(seq, place, message, text, output):
+                    yield event
+                message = None
+            item = _function_call(call)
+            at = {"output_index": len(output), "item_id": item["id"]}
+            yield _event(
+                "response.output_item.added", next(seq), {"output_index": len(output), "item": _function_call(call, "")}
+            )
+            yield _event("response.function_call_arguments.delta", next(seq), {**at, "delta": item["arguments"]})
+            yield _event("response.function_call_arguments.done", next(seq), {**at, "arguments": item["arguments"]})
+            yield _event("response.output_item.done", next(seq), {"output_index": len(output), "item": item})
+            output.append(item)
+    if message is not None:
+        for event in _close_message(seq, place, message, text, output):
+            yield event
+    status = env.final_status()
+    kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
+    yield _event(kind, next(seq), {"response": env.response(output, status)})
+
+
+def _close_message(seq, place: dict[str, Any], message: dict[str, Any], text: str, output: list) -> list[bytes]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    done = _message(text, item_id=message["id"])
+    output.append(done)
+    return [
+        _event("response.output_text.done", next(seq), {**place, "content_index": 0, "text": text}),
+        _event("response.content_part.done", next(seq), {**place, "content_index": 0, "part": part}),
+        _event("response.output_item.done", next(seq), {"output_index": place["output_index"], "item": done}),
+    ]
+
+
+@router.post("/v1/responses")
+async def responses(req: ResponsesRequest, state: State):
+    return await respond(state, await plan(state, req), req.stream, lambda r: body(req, r), lambda r: events(req, r))
