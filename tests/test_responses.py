@@ -140,3 +140,40 @@ def test_every_sdk_field_is_implemented_refused_or_documented(server):
     for name in sorted(set(typing.get_type_hints(response_create_params.ResponseCreateParamsBase)) - declared):
         r = httpx.post(f"{server}/v1/responses", json={"model": "m", "input": "x", name: {"probe": True}}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+
+
+def test_compaction_keeps_the_latest_turns_within_the_budget(client, server):
+    words = "the quick brown fox jumps over the lazy dog".split()
+    items: list[dict] = []
+    for i in range(12):
+        items.append(
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + " ".join(words[i % 4 :])}
+        )
+        if i == 5:
+            items.append(
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+            )
+            items.append({"type": "function_call_output", "call_id": "call_1", "output": "Sunny"})
+    body = {"model": "m", "input": items, "instructions": "Be brief.", "max_input_tokens": 120}
+    out = httpx.post(f"{server}/v1/responses/compact", json=body, timeout=30).json()
+    assert (
+        out["object"] == "response.compaction" and out["usage"]["input_tokens"] > 120 >= out["usage"]["output_tokens"]
+    )
+    window = out["output"]
+    assert window[0]["role"] == "developer" and window[0]["content"].startswith("Summary of the earlier conversation")
+    kept = window[1:]
+    assert kept == items[len(items) - len(kept) :] and len(kept) >= 2  # the latest items, verbatim
+    assert kept[0].get("type") != "function_call_output"
+    # The digest: one line per dropped item, the newest kept when not all fit.
+    lines = window[0]["content"].splitlines()[1:]
+    dropped = items[: len(items) - len(kept)]
+    last = dropped[-1]
+    said = f"a function returned: {last['output']}" if "output" in last else f"{last['role']}: {last['content']}"
+    assert 1 <= len(lines) <= len(dropped) and lines[-1] == said
+    # The next response takes the window as its input: its prompt is exactly the window's count.
+    r = client.responses.create(model="m", input=window, instructions="Be brief.", max_output_tokens=2)
+    assert r.usage.input_tokens == out["usage"]["output_tokens"]
+    small = httpx.post(f"{server}/v1/responses/compact", json={**body, "input": items[-2:]}, timeout=30).json()
+    assert small["output"] == items[-2:] and small["usage"]["input_tokens"] == small["usage"]["output_tokens"]
+    r = httpx.post(f"{server}/v1/responses/compact", json={**body, "max_input_tokens": 5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_input_tokens"

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import anthropic, lmstudio, native, openai, responses
+from . import anthropic, compact, lmstudio, native, openai, responses
 from .config import ServerConfig
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
@@ -152,6 +152,6 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics_json():
         return metrics.snapshot()
 
-    for family in (openai, responses, anthropic, lmstudio, native):
+    for family in (openai, responses, compact, anthropic, lmstudio, native):
         app.include_router(family.router)
     return app
