@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serverutil import running_server
 from shapes import TINY, TINY_NOPRE
 from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
@@ -82,3 +83,19 @@ def cycle_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "cycle.tinyloop"
     write_model(path, TINY_NOPRE, w)
     return path, ids
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """A server on the TINY model, one per test module (modules that need other flags define their own)."""
+    with running_server(tiny.path) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK pointed at `server`."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused") as c:
+        yield c

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 from anthropic.types import message_create_params
 
-from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server.anthropic import MessagesRequest
 from tinyloop.server.openai import render_chat
@@ -29,12 +28,6 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with running_server(tiny.path) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, Field
 
-from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server.openai import render_chat
 from tinyloop.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -52,18 +50,6 @@ TIME = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with running_server(tiny.path) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused") as c:
-        yield c
 
 
 def post(server: str, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:

@@ -8,12 +8,10 @@ import typing
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.types.responses import response_create_params
 from pydantic import BaseModel, Field
 
-from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server.openai import render_chat
 from tinyloop.server.responses import ResponsesRequest
@@ -29,18 +27,6 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with running_server(tiny.path) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused") as c:
-        yield c
 
 
 def prompt_ids(tiny_engine, body: dict) -> list[int]:

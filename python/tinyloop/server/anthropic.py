@@ -21,7 +21,7 @@ from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
 from .structured import NAME_PATTERN
-from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse
+from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse, with_calls
 
 router = APIRouter()
 
@@ -257,14 +257,8 @@ async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes
         {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}},
     )
     yield _event("ping", {})
-    tools = req.tool_use()
-    reader = CallReader(tools.parallel) if tools else None
     index, text_open, called = 0, False, False
-    async for _, delta, finish, _ in r.merged_deltas():
-        calls: list[dict[str, Any]] = []
-        if reader is not None:
-            delta, calls = reader.feed(delta)
-            delta += reader.finish() if finish is not None else ""
+    async for _, delta, calls, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
         if delta:
             if not text_open:
                 yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})

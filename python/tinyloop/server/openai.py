@@ -19,7 +19,7 @@ from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Ope
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error
 from .state import ServerState, State
-from .tools import CallReader, ToolUse, render_calls
+from .tools import CallReader, ToolUse, render_calls, with_calls
 
 router = APIRouter()
 
@@ -184,16 +184,11 @@ def _chunker(req: OpenAISampling, obj: str, prefix: str):
 
 async def chat_events(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIterator[bytes]:
     chunk, tail = _chunker(req, "chat.completion.chunk", "chatcmpl-")
-    tools = req.tool_use()
-    readers = [CallReader(tools.parallel) for _ in r.choices] if tools else []
     for i in range(len(r.choices)):
         yield chunk([{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}])
     handed = _Handed(r) if req.wanted_logprobs() is not None else None
-    async for i, delta, finish, count in r.merged_deltas():
-        calls: list[dict[str, Any]] = []
-        if readers:
-            delta, calls = readers[i].feed(delta)
-            delta += readers[i].finish() if finish is not None else ""
+    called = [0] * len(r.choices)  # calls handed out per choice
+    async for i, delta, calls, finish, count in with_calls(r.merged_deltas(), req.tool_use()):
         extra: dict[str, Any] = {}
         if handed is not None and (delta or finish is not None):
             tokens, entries = handed.take(i, count)
@@ -202,12 +197,11 @@ async def chat_events(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIte
             yield chunk([{"index": i, "delta": {"content": delta}, **extra, "finish_reason": None}])
             extra = {"logprobs": {"content": []}} if extra else {}
         if calls:
-            first = len(readers[i].calls) - len(calls)
-            deltas = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            deltas = [{"index": called[i] + k, **call} for k, call in enumerate(calls)]
+            called[i] += len(calls)
             yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}])
         if finish is not None:
-            called = bool(readers and readers[i].calls)
-            yield chunk([{"index": i, "delta": {}, **extra, "finish_reason": _tool_finish(finish, called)}])
+            yield chunk([{"index": i, "delta": {}, **extra, "finish_reason": _tool_finish(finish, called[i] > 0)}])
     for event in tail(r):
         yield event
 

@@ -23,7 +23,7 @@ from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
 from .structured import NAME_PATTERN
-from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse
+from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse, with_calls
 
 router = APIRouter()
 
@@ -283,15 +283,9 @@ async def events(req: ResponsesRequest, r: RunningRequest) -> AsyncIterator[byte
     env, seq = Envelope(req, r), iter(range(1 << 62))
     yield _event("response.created", next(seq), {"response": env.response([])})
     yield _event("response.in_progress", next(seq), {"response": env.response([])})
-    tools = req.tool_use()
-    reader = CallReader(tools.parallel) if tools else None
     output: list[dict[str, Any]] = []
     text, message = "", None
-    async for _, delta, finish, _ in r.merged_deltas():
-        calls: list[dict[str, Any]] = []
-        if reader is not None:
-            delta, calls = reader.feed(delta)
-            delta += reader.finish() if finish is not None else ""
+    async for _, delta, calls, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
         if delta:
             if message is None:
                 message = _message("", "in_progress")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -197,3 +198,18 @@ def _parse_call(body: str) -> dict[str, Any] | None:
         "type": "function",
         "function": {"name": value["name"], "arguments": json.dumps(value["arguments"])},
     }
+
+
+async def with_calls(
+    deltas: AsyncIterator[tuple[int, str, str | None, int]], tools: ToolUse | None
+) -> AsyncIterator[tuple[int, str, list[dict[str, Any]], str | None, int]]:
+    """A request's merged deltas (`RunningRequest.merged_deltas`) with the calls split out of each choice's text:
+    (choice, text, calls completed, finish, tokens handed out). Without tools the text passes unchanged."""
+    readers: dict[int, CallReader] = {}
+    async for i, delta, finish, count in deltas:
+        calls: list[dict[str, Any]] = []
+        if tools is not None:
+            reader = readers.setdefault(i, CallReader(tools.parallel))
+            delta, calls = reader.feed(delta)
+            delta += reader.finish() if finish is not None else ""
+        yield i, delta, calls, finish, count
