@@ -34,29 +34,30 @@ class TextPart(Strict):
     annotations: list[Any] | None = None  # on output_text parts a client sends back; nothing to do with them
 
 
-class MessageItem(Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+class Item(Strict):
+    """What every input item may carry back from an earlier response: its id and status (kept, not used)."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(Strict):
+class MessageItem(Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(Strict):
