@@ -149,3 +149,11 @@ def test_every_sdk_field_is_implemented_refused_or_documented(server):
     for name in sorted(set(typing.get_type_hints(message_create_params.MessageCreateParamsBase)) - declared):
         r = httpx.post(f"{server}/v1/messages", json={**base, name: {"probe": True}}, timeout=10)
         assert r.status_code == 400 and f"unsupported parameter: {name}" in r.json()["error"]["message"], (name, r.text)
+
+
+def test_loop_knobs_and_speculative_drafting_give_the_plain_greedy_text(client):
+    kw = dict(model="m", max_tokens=12, messages=HELLO)
+    deep = client.messages.create(**kw, extra_body={**GREEDY, "loops": 5}).content[0].text
+    assert deep != client.messages.create(**kw, extra_body={**GREEDY, "loops": 1}).content[0].text
+    drafted = client.messages.create(**kw, extra_body={**GREEDY, "loops": 5, "draft_loops": 1}).content[0].text
+    assert drafted == deep

@@ -163,3 +163,13 @@ def test_compaction_keeps_the_latest_turns_within_the_budget(client, server):
     assert small["output"] == items[-2:] and small["usage"]["input_tokens"] == small["usage"]["output_tokens"]
     r = httpx.post(f"{server}/v1/responses/compact", json={**body, "max_input_tokens": 5}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_input_tokens"
+
+
+def test_loop_knobs_and_speculative_drafting_give_the_plain_greedy_text(client, server):
+    kw = dict(model="m", input="Knobs", max_output_tokens=12, temperature=0)
+    deep = client.responses.create(**kw, extra_body={"loops": 5}).output_text
+    assert deep != client.responses.create(**kw, extra_body={"loops": 1}).output_text  # the depth is honoured
+    drafted = client.responses.create(**kw, extra_body={"loops": 5, "draft_loops": 2, "draft_ahead": 3}).output_text
+    assert drafted == deep
+    r = httpx.post(f"{server}/v1/responses", json={**kw, "loops": 2, "draft_loops": 2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "draft_loops"

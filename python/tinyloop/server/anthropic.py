@@ -13,10 +13,10 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import Field
 
-from .._core import MAX_LOOPS, MAX_TOP_K, Generation, Grammar
+from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, Generation, Grammar
 from ..errors import APIError
 from .openai import CHAT_DEFAULT_STOP, render_chat
-from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling
+from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
@@ -146,7 +146,9 @@ class MessagesRequest(Conversation):
     temperature: float = ranged(1.0, 0.0, 1.0)
     top_p: float = ranged(1.0, 0.0, 1.0)
     top_k: int = ranged(0, 0, MAX_TOP_K)
-    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knob
+    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knobs: depth, and self-speculative drafting
+    draft_loops: int | None = ranged(None, 1, MAX_DRAFT_LOOPS)
+    draft_ahead: int = ranged(4, 1, MAX_DRAFT_AHEAD)
     # Accepted and ignored (docs/api.md): nothing is stored or billed per user, and there is one service tier.
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -183,11 +185,21 @@ class MessagesRequest(Conversation):
 async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     req.check(state.max_tokens_limit)
     prompts = await tokenize(state, [req.prompt()])
-    generations = [Generation(g.params, loops=g.loops, grammar=req.grammar()) for g in req.sampling().generations()]
+    engine, _ = state.require_engine()
+    generations = [
+        with_drafts(
+            Generation(g.params, loops=g.loops, grammar=req.grammar()),
+            req.draft_loops,
+            req.draft_ahead,
+            engine.info.default_loops,
+        )
+        for g in req.sampling().generations()
+    ]
     stop = [*(req.stop_sequences or []), *CHAT_DEFAULT_STOP]
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "output_config"
-    return Plan(prompts, generations, "generate", stop, lstrip=True, grammar_param=param)
+    mode = "generate" if req.draft_loops is None else "speculative"
+    return Plan(prompts, generations, mode, stop, lstrip=True, grammar_param=param)
 
 
 def _blocks(text: str, tools: ToolUse | None) -> list[dict[str, Any]]:

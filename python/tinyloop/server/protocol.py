@@ -366,6 +366,17 @@ class TreeSpeculativeRequest(SpeculativeRequest):
         return self.K_branches
 
 
+def with_drafts(g: Generation, draft_loops: int | None, draft_ahead: int, default_loops: int) -> Generation:
+    """`g` drafting `draft_ahead` tokens at `draft_loops` and verifying at its own depth — tinyloop's speculative knob
+    on the Responses and Messages families (None: `g` unchanged)."""
+    if draft_loops is None:
+        return g
+    verify = g.loops or default_loops
+    check_speculative("speculative", draft_ahead, 1, draft_loops, verify, g.params.temperature)
+    spec = Speculative(draft_loops, verify, draft_ahead)
+    return Generation(g.params, speculative=spec, cache_window=g.cache_window, grammar=g.grammar)
+
+
 def check_speculative(
     mode: str, draft_ahead: int, k_branches: int, draft_loops: int, verify_loops: int, temperature: float
 ) -> None:

@@ -14,11 +14,11 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
-from .._core import MAX_LOOPS, Generation, Grammar
+from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, Generation, Grammar
 from ..errors import APIError
 from .generation import ChoiceRun
 from .openai import CHAT_DEFAULT_STOP, render_chat
-from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling
+from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
@@ -103,7 +103,9 @@ class ResponsesRequest(Strict):
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # only false: nothing is stored
-    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knob
+    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knobs: depth, and self-speculative drafting
+    draft_loops: int | None = ranged(None, 1, MAX_DRAFT_LOOPS)
+    draft_ahead: int = ranged(4, 1, MAX_DRAFT_AHEAD)
     # Accepted and ignored, as on chat (docs/api.md).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -183,7 +185,10 @@ async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
     prompts = await tokenize(state, [render_chat(req.conversation(), req.tool_use())])
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "text.format"
-    return Plan(prompts, [req.generation()], "generate", CHAT_DEFAULT_STOP, lstrip=True, grammar_param=param)
+    engine, _ = state.require_engine()
+    generation = with_drafts(req.generation(), req.draft_loops, req.draft_ahead, engine.info.default_loops)
+    mode = "generate" if req.draft_loops is None else "speculative"
+    return Plan(prompts, [generation], mode, CHAT_DEFAULT_STOP, lstrip=True, grammar_param=param)
 
 
 def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
