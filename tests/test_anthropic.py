@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 from anthropic.types import message_create_params
 
+from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server.anthropic import MessagesRequest
 from tinyloop.server.openai import render_chat
@@ -157,3 +158,15 @@ def test_loop_knobs_and_speculative_drafting_give_the_plain_greedy_text(client):
     assert deep != client.messages.create(**kw, extra_body={**GREEDY, "loops": 1}).content[0].text
     drafted = client.messages.create(**kw, extra_body={**GREEDY, "loops": 5, "draft_loops": 1}).content[0].text
     assert drafted == deep
+
+
+def test_api_keys_by_x_api_key_and_errors_in_anthropics_shape(tiny):
+    with running_server(tiny.path, "--api-key", "sk-anthropic-test") as base:
+        body = {"model": "m", "max_tokens": 2, "messages": HELLO}
+        r = httpx.post(f"{base}/v1/messages", json=body, timeout=10)
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "authentication_error"
+        with anthropic.Anthropic(base_url=base, api_key="sk-anthropic-test") as keyed:  # sends x-api-key
+            assert keyed.messages.create(**body).usage.output_tokens == 2
+        with anthropic.Anthropic(base_url=base, api_key="wrong") as wrong, pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.create(**body)
