@@ -7,8 +7,10 @@ decoding of as many tokens in the same rounds — a single stream (`Engine.gener
 
 Each constrained round first measures the tokens it produces; the unconstrained decode of the same count (with
 `ignore_eos`) runs in pytest-benchmark's untimed `setup` before the next round, timed by hand, so both best times
-come from the same stretch of the run. The schemas: `records` (an array of objects — keys, numbers, enums, the
-parser's structural work at most tokens) and `text` (one long string, where the mask is nearly the whole vocabulary).
+come from the same stretch of the run. So does the same constrained decode on an engine with no grammar threads
+(`grammar_threads=0`), which computes every mask when the sampler needs it instead of during the forward pass.
+The schemas: `records` (an array of objects — keys, numbers, enums, the parser's structural work at most tokens)
+and `text` (one long string, where the mask is nearly the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def engine():
     return tinyloop.Engine(DEFAULT)
 
 
+@pytest.fixture(scope="module")
+def inline_engine():
+    return tinyloop.Engine(DEFAULT, grammar_threads=0)
+
+
 def _run(engine, schema: str | None, sampling: str, streams: int, seed: int, tokens: int = 400) -> int:
     """Tokens produced by `streams` generations (under `schema`, or `tokens` each without one)."""
 
@@ -73,11 +80,12 @@ def _run(engine, schema: str | None, sampling: str, streams: int, seed: int, tok
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].replace(' ', '')}-{c[2]}streams")
-def test_decode(benchmark, engine, case):
+def test_decode(benchmark, engine, inline_engine, case):
     schema, sampling, streams = case
     seeds = iter(range(0, 1_000_000, BATCH))
     constrained: list[tuple[int, float]] = []  # (tokens, seconds) of each round; sampled rounds differ in length
     plain: list[float] = []  # tokens/s of the unconstrained decode before each round
+    inline: list[float] = []  # tokens/s of the same constrained decode with every mask computed inline
 
     def before_each_round():
         if constrained:  # as many tokens as the last constrained round produced
@@ -85,10 +93,16 @@ def test_decode(benchmark, engine, case):
             start = time.perf_counter()
             n = _run(engine, None, sampling, streams, 0, per_stream)
             plain.append(n / (time.perf_counter() - start))
+            start = time.perf_counter()
+            n = _run(inline_engine, schema, sampling, streams, seeds_used[-1])
+            inline.append(n / (time.perf_counter() - start))
+
+    seeds_used: list[int] = []
 
     def run():
+        seeds_used.append(next(seeds))
         start = time.perf_counter()
-        n = _run(engine, schema, sampling, streams, next(seeds))
+        n = _run(engine, schema, sampling, streams, seeds_used[-1])
         constrained.append((n, time.perf_counter() - start))
 
     benchmark.pedantic(run, setup=before_each_round, rounds=8 if streams == 1 else 4, warmup_rounds=1)
@@ -100,4 +114,5 @@ def test_decode(benchmark, engine, case):
         tokens=constrained[-1][0],
         constrained_tok_s=max(n / s for n, s in constrained),
         plain_tok_s=max(plain),
+        inline_tok_s=max(inline),
     )

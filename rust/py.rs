@@ -571,16 +571,20 @@ impl Keywords<'_, '_> {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true))]
+    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true, grammar_threads=None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         max_seq_len: Option<usize>,
         kv_cache_mode: &str,
         draft_vocab: bool,
+        grammar_threads: Option<usize>,
     ) -> PyResult<Self> {
         let mut inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
         inner.model.set_use_draft_head(draft_vocab);
+        if let Some(n) = grammar_threads {
+            inner.grammars.set_threads(n);
+        }
         Ok(Self { inner: Arc::new(inner), path: path.display().to_string() })
     }
 

@@ -279,6 +279,7 @@ class Engine:
         max_seq_len: int | None = None,
         kv_cache_mode: str = "fp16",
         draft_vocab: bool = True,  # draft through the file's draft vocabulary, when it lists one
+        grammar_threads: int | None = None,  # threads computing grammar masks ahead; None: cores (≤ 4), 0: inline
     ) -> Self: ...
     @property
     def path(self) -> str: ...

@@ -40,7 +40,7 @@ impl ChainRound {
     /// Draft row `j` went through loops `0..draft_loops` to hidden state `h` with draft logits `logits`: draw the
     /// proposal from the draft distribution q_j (the request's own temperature / top-k / top-p / penalties).
     pub fn propose(&mut self, seq: &mut SeqState, h: Tensor, mut logits: Vec<f32>) {
-        let q = seq.sampler.distribution(&mut logits);
+        let q = seq.sampler.proposal(&mut logits);
         let token = seq.sampler.draw(&q);
         seq.sampler.draft(token);
         self.inputs.push(token);

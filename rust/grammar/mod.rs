@@ -8,6 +8,7 @@
 //! each draft is drawn under the grammar, then rewinds them all before verification re-advances it token by token;
 //! greedy speculative output therefore stays equal to plain output under a grammar.
 
+mod ahead;
 mod vocab;
 
 use std::sync::{Arc, OnceLock};
@@ -16,6 +17,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv};
 use llguidance::{Matcher, ParserFactory};
 
+use self::ahead::{Lookahead, Mask, Workers};
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
 
@@ -56,11 +58,25 @@ pub struct Grammars {
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
     factory: OnceLock<std::result::Result<ParserFactory, String>>,
+    /// How many threads compute masks ahead (`ahead.rs`; 0: each mask is computed when it is needed).
+    threads: usize,
+    workers: OnceLock<Workers>,
 }
 
 impl Grammars {
     pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize) -> Self {
-        Self { tokenizer, vocab_size, factory: OnceLock::new() }
+        let threads = ahead::default_threads();
+        Self { tokenizer, vocab_size, factory: OnceLock::new(), threads, workers: OnceLock::new() }
+    }
+
+    /// Set the number of grammar threads, before the first constrained request starts them.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads;
+        self.workers = OnceLock::new();
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
     }
 
     fn factory(&self) -> Result<&ParserFactory> {
@@ -81,13 +97,23 @@ impl Grammars {
             .factory()?
             .create_parser(grammar.top_level()?)
             .map_err(|e| Error::InvalidArgument(format!("grammar: {e}")))?;
-        Ok(Constraint { matcher: Matcher::new(Ok(parser)), drafted: 0, drafting: true, error: None })
+        let workers = self.workers.get_or_init(|| Workers::new(self.threads)).clone();
+        Ok(Constraint::new(Matcher::new(Ok(parser)), workers))
     }
 }
 
 /// One request's grammar state.
 pub struct Constraint {
-    matcher: Matcher,
+    /// The matcher is either here or away computing its next mask (`ahead.rs`); exactly one of the two is set.
+    here: Option<Box<Matcher>>,
+    away: Option<Arc<Lookahead>>,
+    workers: Workers,
+    /// The mask for the matcher's present state, once known.
+    next: Option<Mask>,
+    /// The mask at the start of a speculative round, kept while drafts advance the matcher; the rewind restores it.
+    round: Option<Mask>,
+    /// The grammar accepts the output so far and allows nothing more.
+    stopped: bool,
     /// Draft tokens advanced into the matcher this round, undone by `rewind_drafts`.
     drafted: usize,
     /// False once a draft left the grammar (or ended the text): later drafts of the round are drawn unmasked —
@@ -98,31 +124,73 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    fn new(matcher: Matcher, workers: Workers) -> Self {
+        let mut c = Self {
+            here: Some(Box::new(matcher)),
+            away: None,
+            workers,
+            next: None,
+            round: None,
+            stopped: false,
+            drafted: 0,
+            drafting: true,
+            error: None,
+        };
+        c.look_ahead(); // the first mask is computed during the prompt's prefill
+        c
+    }
+
+    /// The matcher, back from computing its next mask (`want_mask`: compute it here if no grammar thread has).
+    fn matcher(&mut self, want_mask: bool) -> &mut Matcher {
+        if let Some(job) = self.away.take() {
+            let (matcher, mask) = job.finish(want_mask);
+            self.here = Some(matcher);
+            self.next = mask;
+        }
+        self.here.as_mut().expect("the matcher is here when it is not away")
+    }
+
+    /// Start computing the mask for the matcher's new state while the caller runs the forward pass.
+    fn look_ahead(&mut self) {
+        self.next = None;
+        if let Some(matcher) = self.here.take() {
+            self.away = Some(self.workers.start(matcher));
+        }
+    }
+
     /// Set the logit of every token the grammar does not allow next to −∞. When the grammar is complete only EOS
     /// is allowed; if the matcher failed, only EOS is left too, and `error` says why.
     pub fn mask(&mut self, logits: &mut [f32]) {
         if !self.drafting {
             return;
         }
-        let allowed = match self.matcher.compute_mask_or_eos() {
-            Ok(mask) if !mask.is_zero() => mask,
-            Ok(_) => self.fail("the grammar allows no token here".into()),
-            Err(e) => self.fail(e.to_string()),
+        self.matcher(true);
+        let (here, next) = (&mut self.here, &mut self.next);
+        let why = match next.get_or_insert_with(|| ahead::compute(here.as_mut().expect("the matcher is back"))) {
+            Ok(mask) if !mask.is_zero() => return apply(mask, logits),
+            Ok(_) => "the grammar allows no token here".to_string(),
+            Err(e) => e.clone(),
         };
-        apply(&allowed, logits);
+        apply(&self.fail(why), logits);
     }
 
     fn fail(&mut self, why: String) -> SimpleVob {
         self.error.get_or_insert(why);
-        self.matcher.tok_env().map(|env| env.tok_trie().eos_token_set()).unwrap_or_default()
+        self.matcher(false).tok_env().map(|env| env.tok_trie().eos_token_set()).unwrap_or_default()
     }
 
-    /// Advance by an emitted token (one the mask allowed).
+    /// Advance by an emitted token (one the mask allowed), and start on the next mask.
     pub fn consume(&mut self, token: u32) {
-        if self.error.is_none() {
-            if let Err(e) = self.matcher.consume_token(token) {
-                self.error = Some(e.to_string());
+        if self.error.is_some() {
+            return;
+        }
+        let matcher = self.matcher(false);
+        match matcher.consume_token(token) {
+            Ok(()) => {
+                self.stopped = matcher.is_stopped();
+                self.look_ahead();
             }
+            Err(e) => self.error = Some(e.to_string()),
         }
     }
 
@@ -132,31 +200,60 @@ impl Constraint {
         if !self.drafting || self.error.is_some() {
             return;
         }
-        match (ends_output, self.matcher.try_consume_tokens(&[token])) {
-            (false, Ok(1)) => self.drafted += 1,
-            (_, Err(e)) => self.error = Some(e.to_string()),
-            _ => self.drafting = false,
+        if ends_output {
+            self.drafting = false;
+            return;
+        }
+        let matcher = self.matcher(false);
+        let consumed = matcher.try_consume_tokens(&[token]);
+        let stopped = matcher.is_stopped();
+        if self.drafted == 0 {
+            self.round = self.next.take();
+        }
+        match consumed {
+            Ok(1) => {
+                self.drafted += 1;
+                self.stopped = stopped;
+                self.look_ahead();
+            }
+            Ok(_) => self.drafting = false,
+            Err(e) => self.error = Some(e.to_string()),
         }
     }
 
     /// Undo this round's drafts, so verification advances the matcher by the tokens it emits.
     pub fn rewind_drafts(&mut self) {
-        if self.drafted > 0 && self.error.is_none() {
-            if let Err(e) = self.matcher.rollback(self.drafted) {
-                self.error = Some(e.to_string());
+        if self.error.is_none() && (self.drafted > 0 || self.round.is_some()) {
+            let drafted = self.drafted;
+            let matcher = self.matcher(false);
+            match if drafted > 0 { matcher.rollback(drafted) } else { Ok(()) } {
+                Ok(()) => {
+                    self.stopped = matcher.is_stopped();
+                    self.next = self.round.take();
+                }
+                Err(e) => self.error = Some(e.to_string()),
             }
         }
+        self.round = None;
         self.drafted = 0;
         self.drafting = true;
     }
 
     /// The grammar is complete and allows nothing more: the output ends here.
     pub fn is_complete(&self) -> bool {
-        self.error.is_none() && self.matcher.is_stopped()
+        self.error.is_none() && self.stopped
     }
 
     pub fn error(&self) -> Option<&str> {
         self.error.as_deref()
+    }
+}
+
+impl Drop for Constraint {
+    fn drop(&mut self) {
+        if let Some(job) = &self.away {
+            job.abandon();
+        }
     }
 }
 

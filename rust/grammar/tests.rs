@@ -6,10 +6,10 @@ use crate::kernels::logits::argmax;
 use crate::tokenizer::tests::vocab;
 
 /// Byte tokens 0..=255, `<|endoftext|>` (EOS) at 256, and three ids past the tokenizer (a padded model vocabulary).
-const EOS: u32 = 256;
+pub const EOS: u32 = 256;
 const VOCAB: usize = 260;
 
-fn grammars() -> Grammars {
+pub fn grammars() -> Grammars {
     let mut v = vocab(&["<|endoftext|>"]);
     v.eos_token_id = EOS;
     Grammars::new(Arc::new(Tokenizer::from_vocab(&v).unwrap()), VOCAB)
@@ -109,6 +109,52 @@ fn rewinding_drafts_restores_the_mask() {
     c.rewind_drafts();
     assert_eq!(mask(&mut c), before);
     assert_eq!(c.error(), None);
+}
+
+#[test]
+fn a_drafted_end_of_text_leaves_the_matcher_where_it_was() {
+    let mut c = compile(Grammar::Regex("a(b)?".into()));
+    c.consume(u32::from(b'a'));
+    c.draft(EOS, true);
+    c.rewind_drafts();
+    let mut row = vec![0.0f32; VOCAB];
+    c.mask(&mut row);
+    assert!(row[b'b' as usize].is_finite() && row[EOS as usize].is_finite(), "b and the end are still allowed");
+    c.consume(u32::from(b'b'));
+    assert!(c.is_complete());
+}
+
+/// Masks computed ahead on the grammar threads (or taken back and computed inline) equal masks computed by a
+/// matcher that never leaves its thread, for many requests advancing at once on several threads.
+#[test]
+fn masks_computed_ahead_equal_masks_computed_inline() {
+    let schema = r#"{"type": "array", "items": {"type": "object", "required": ["k", "v"], "additionalProperties": false,
+        "properties": {"k": {"type": "string", "maxLength": 6}, "v": {"type": "integer"}}}, "maxItems": 3}"#;
+    let mut g = grammars();
+    g.set_threads(2);
+    std::thread::scope(|s| {
+        for seed in 0..8u64 {
+            let g = &g;
+            s.spawn(move || {
+                let grammar = Grammar::JsonSchema(schema.into());
+                let (mut ahead, mut inline) = (g.compile(&grammar).unwrap(), g.compile(&grammar).unwrap());
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                for _ in 0..120 {
+                    let row = masked_row(&mut ahead, &mut rng);
+                    let reference = ahead::compute(inline.matcher(false)).unwrap();
+                    let allowed: Vec<bool> = row.iter().map(|l| l.is_finite()).collect();
+                    let expected: Vec<bool> = (0..VOCAB as u32).map(|t| reference.is_allowed(t)).collect();
+                    assert_eq!(allowed, expected);
+                    let t = argmax(&row);
+                    if t == EOS || ahead.is_complete() {
+                        return;
+                    }
+                    ahead.consume(t);
+                    inline.matcher(false).consume_token(t).unwrap();
+                }
+            });
+        }
+    });
 }
 
 #[test]

@@ -220,9 +220,10 @@ impl Sampler {
         (token == self.eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token)
     }
 
-    /// Steps 1–3 of the module doc, in place.
-    pub fn process(&mut self, logits: &mut [f32]) {
-        if let Some(n) = self.params.logprobs {
+    /// Steps 1–3 of the module doc, in place; `score`: keep the row's log-probabilities for `accept` (a draft's
+    /// row is never scored — its token is not output, and verification scores the row that emits one).
+    fn process(&mut self, logits: &mut [f32], score: bool) {
+        if let Some(n) = self.params.logprobs.filter(|_| score) {
             self.scored = Some(Scored::of(logits, n));
         }
         let p = &self.params;
@@ -257,7 +258,7 @@ impl Sampler {
 
     /// Choose the next token from raw logits (modified in place).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
-        self.process(logits);
+        self.process(logits, true);
         let p = &self.params;
         if p.temperature == 0.0 {
             return argmax(logits);
@@ -279,7 +280,16 @@ impl Sampler {
 
     /// The distribution `sample` draws from: steps 1–4 of the module doc. Greedy is a point mass.
     pub fn distribution(&mut self, logits: &mut [f32]) -> Dist {
-        self.process(logits);
+        self.distribution_of(logits, true)
+    }
+
+    /// A draft's proposal distribution: `distribution` without scoring the row.
+    pub fn proposal(&mut self, logits: &mut [f32]) -> Dist {
+        self.distribution_of(logits, false)
+    }
+
+    fn distribution_of(&mut self, logits: &mut [f32], score: bool) -> Dist {
+        self.process(logits, score);
         let p = &self.params;
         if p.temperature == 0.0 {
             return Dist::Point(argmax(logits));

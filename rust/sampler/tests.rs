@@ -96,7 +96,7 @@ fn penalties_follow_the_formulas_exactly() {
     s.accept(2);
     s.accept(3);
     let mut l = vec![4.0, -4.0, 4.0, -1.0, 4.0, 0.0];
-    s.process(&mut l);
+    s.process(&mut l, true);
     // id 0: prompt, positive -> /2; id 1: prompt, negative -> *2; id 2: generated twice -> /2 then -0.5 - 2*0.25;
     // id 3: generated once, negative -> *2 then -0.5 - 0.25; id 4: untouched.
     assert_eq!(l, vec![2.0, -8.0, 2.0 - 1.0, -2.0 - 0.75, 4.0, 0.0]);
@@ -114,17 +114,17 @@ fn min_tokens_and_ignore_eos_mask_stops() {
         3,
     );
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
-    s.process(&mut l);
+    s.process(&mut l, true);
     assert_eq!(l, vec![0.0, 0.0, f32::NEG_INFINITY, f32::NEG_INFINITY]);
     s.accept(0);
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
-    s.process(&mut l);
+    s.process(&mut l, true);
     assert_eq!(l, vec![0.0, 0.0, 9.0, 9.0]);
     assert!(s.is_stop(2) && s.is_stop(3) && !s.is_stop(1));
 
     let mut s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3);
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
-    s.process(&mut l);
+    s.process(&mut l, true);
     assert_eq!(l[3], f32::NEG_INFINITY);
     assert!(!s.is_stop(3));
 }
