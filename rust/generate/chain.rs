@@ -60,6 +60,7 @@ impl ChainRound {
             fed = j + 1; // rows 0..=j hold tokens that are part of the output: their K/V stays
             let p = seq.sampler.distribution(&mut row);
             let (token, agreed) = verify(&mut seq.sampler, self.inputs[j + 1], &p, q);
+            seq.sampler.recycle(p);
             let step = seq.emit(token);
             seq.ready.push_back(step);
             seq.draft.accepted += usize::from(agreed);
@@ -67,6 +68,7 @@ impl ChainRound {
                 break;
             }
         }
+        self.proposals.into_iter().for_each(|q| seq.sampler.recycle(q));
         seq.commit(fed);
     }
 }

@@ -61,6 +61,12 @@ impl Lookahead {
         }
     }
 
+    /// Neither queued nor running nor done: taken back, or abandoned before it ran.
+    #[cfg(test)]
+    pub(super) fn is_taken(&self) -> bool {
+        matches!(*self.stage.lock().unwrap(), Stage::Taken)
+    }
+
     /// Give up on an unstarted job (its request ended); a running one completes and is dropped.
     pub fn abandon(&self) {
         let mut stage = self.stage.lock().unwrap_or_else(|p| p.into_inner());
@@ -70,7 +76,7 @@ impl Lookahead {
     }
 
     /// On a grammar thread: compute the mask unless the owner took the matcher back first.
-    fn run(&self) {
+    pub(super) fn run(&self) {
         let mut stage = self.stage.lock().unwrap_or_else(|p| p.into_inner());
         let Stage::Queued(mut m) = std::mem::replace(&mut *stage, Stage::Running) else {
             *stage = Stage::Taken;
@@ -141,40 +147,5 @@ fn serve(rx: &Mutex<Receiver<Arc<Lookahead>>>, in_flight: &AtomicUsize) {
         };
         job.run();
         in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::grammar::tests::{grammars, EOS};
-    use crate::grammar::Grammar;
-
-    fn matcher() -> Box<Matcher> {
-        let mut c = grammars().compile(&Grammar::Regex("a(b)?".into())).unwrap();
-        c.matcher(false).consume_token(u32::from(b'a')).unwrap();
-        c.here.take().unwrap()
-    }
-
-    fn allowed(mask: Option<Mask>) -> Vec<u32> {
-        let mask = mask.expect("a mask").unwrap();
-        (0..=EOS).filter(|&t| mask.is_allowed(t)).collect()
-    }
-
-    #[test]
-    fn a_job_no_thread_started_is_done_by_its_owner_only_when_the_mask_is_wanted() {
-        assert!(Lookahead::queued(matcher()).finish(false).1.is_none());
-        assert_eq!(allowed(Lookahead::queued(matcher()).finish(true).1), vec![u32::from(b'b'), EOS]);
-    }
-
-    #[test]
-    fn a_job_a_thread_ran_hands_back_its_mask_and_an_abandoned_one_is_skipped() {
-        let job = Lookahead::queued(matcher());
-        job.run();
-        assert_eq!(allowed(job.finish(false).1), vec![u32::from(b'b'), EOS]);
-        let job = Lookahead::queued(matcher());
-        job.abandon();
-        job.run();
-        assert!(matches!(*job.stage.lock().unwrap(), Stage::Taken));
     }
 }

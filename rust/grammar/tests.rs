@@ -6,10 +6,10 @@ use crate::kernels::logits::argmax;
 use crate::tokenizer::tests::vocab;
 
 /// Byte tokens 0..=255, `<|endoftext|>` (EOS) at 256, and three ids past the tokenizer (a padded model vocabulary).
-pub const EOS: u32 = 256;
+const EOS: u32 = 256;
 const VOCAB: usize = 260;
 
-pub fn grammars() -> Grammars {
+fn grammars() -> Grammars {
     let mut v = vocab(&["<|endoftext|>"]);
     v.eos_token_id = EOS;
     Grammars::new(Arc::new(Tokenizer::from_vocab(&v).unwrap()), VOCAB)
@@ -155,6 +155,37 @@ fn masks_computed_ahead_equal_masks_computed_inline() {
             });
         }
     });
+}
+
+/// A matcher for `a(b)?` that has consumed `a`: `b` and the end are allowed next.
+fn after_a() -> Box<Matcher> {
+    let mut c = compile(Grammar::Regex("a(b)?".into()));
+    c.matcher(false).consume_token(u32::from(b'a')).unwrap();
+    c.here.take().unwrap()
+}
+
+fn allowed(mask: Option<Mask>) -> Vec<u32> {
+    let mask = mask.expect("a mask").unwrap();
+    (0..=EOS).filter(|&t| mask.is_allowed(t)).collect()
+}
+
+#[test]
+fn a_job_no_thread_started_is_done_by_its_owner_only_when_the_mask_is_wanted() {
+    let none = Workers::new(0);
+    assert!(none.start(after_a()).finish(false).1.is_none());
+    assert_eq!(allowed(none.start(after_a()).finish(true).1), vec![u32::from(b'b'), EOS]);
+}
+
+#[test]
+fn a_job_a_thread_ran_hands_back_its_mask_and_an_abandoned_one_is_skipped() {
+    let none = Workers::new(0);
+    let job = none.start(after_a());
+    job.run();
+    assert_eq!(allowed(job.finish(false).1), vec![u32::from(b'b'), EOS]);
+    let job = none.start(after_a());
+    job.abandon();
+    job.run();
+    assert!(job.is_taken());
 }
 
 #[test]

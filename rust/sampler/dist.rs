@@ -107,14 +107,39 @@ fn draw_dense(w: &[f32], blocks: &[f64], total: f64, u: f64) -> u32 {
 /// Reusable buffers of `build`: the dense weights, and the gathered ids with their logits and weights.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    pub weights: Vec<f32>,
-    pub blocks: Vec<f64>,
+    weights: Vec<f32>,
+    blocks: Vec<f64>,
+    /// More dense buffers, given back by distributions that were kept a while (a speculative round's drafts).
+    spare: Vec<(Vec<f32>, Vec<f64>)>,
     ids: Vec<u32>,
     values: Vec<f32>,
     head_weights: Vec<f64>,
     bins: Vec<u8>,
     maxima: Vec<f32>,
 }
+
+impl Scratch {
+    /// Dense buffers for a distribution that leaves with them.
+    fn take_dense(&mut self) -> (Vec<f32>, Vec<f64>) {
+        if self.weights.capacity() == 0 {
+            return self.spare.pop().unwrap_or_default();
+        }
+        (std::mem::take(&mut self.weights), std::mem::take(&mut self.blocks))
+    }
+
+    /// Keep a dense distribution's buffers for the next one (a speculative round holds a few at once).
+    pub fn give_back(&mut self, dist: Dist) {
+        let Dist::Dense { w, blocks, .. } = dist else { return };
+        if self.weights.capacity() == 0 {
+            (self.weights, self.blocks) = (w, blocks);
+        } else if self.spare.len() < MAX_SPARE {
+            self.spare.push((w, blocks));
+        }
+    }
+}
+
+/// Spare dense buffers kept: a chain round holds one per draft and one per verified row.
+const MAX_SPARE: usize = 16;
 
 /// The distribution of `logits` at temperature `t` (> 0) with `top_k` (0 = all) and `top_p`: the tokens with the
 /// largest logits (ties: lower id first), then the smallest set of them whose mass reaches `top_p`.
@@ -128,7 +153,7 @@ pub fn build(logits: &[f32], t: f32, top_k: usize, top_p: f32, scratch: &mut Scr
     // A temperature so small that 1/T overflows f32 (a subnormal T) takes the f64 path below: there the weights
     // are 1 for the maxima and 0 for the rest, where the f32 pass would compute 0 · ∞.
     if k == 0 && top_p >= 1.0 && inv_t.is_finite() {
-        let (mut w, mut blocks) = (std::mem::take(&mut scratch.weights), std::mem::take(&mut scratch.blocks));
+        let (mut w, mut blocks) = scratch.take_dense();
         let total = exp_weights(logits, max, inv_t, &mut w, &mut blocks);
         return Dist::Dense { w, blocks, total };
     }

@@ -272,9 +272,7 @@ impl Sampler {
         }
         let dist = dist::build(logits, p.temperature, p.top_k, p.top_p, &mut self.scratch);
         let token = self.draw(&dist);
-        if let Dist::Dense { w, blocks, .. } = dist {
-            (self.scratch.weights, self.scratch.blocks) = (w, blocks); // the buffers serve the next token
-        }
+        self.scratch.give_back(dist); // its buffers serve the next token
         token
     }
 
@@ -295,6 +293,11 @@ impl Sampler {
             return Dist::Point(argmax(logits));
         }
         dist::build(logits, p.temperature, p.top_k, p.top_p, &mut self.scratch)
+    }
+
+    /// A distribution no longer needed: its buffers serve the next one.
+    pub fn recycle(&mut self, dist: Dist) {
+        self.scratch.give_back(dist);
     }
 
     /// Draw from a distribution (one that holds a single token takes no randomness).
