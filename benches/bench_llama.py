@@ -30,20 +30,18 @@ import pytest
 import tinyloop
 from tinyloop import SamplingParams
 from tinyloop.modelfile.export_llama import export_llama
-from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
+from tinyloop.modelfile.format import ModelConfig
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_models import CACHE, DEFAULT  # noqa: E402
+from quant_models import CACHE, DEFAULT, SEED, random_model  # noqa: E402
 
 THREADS = 2
 LOOPS = 8
 SMALL = ModelConfig(
     dim=256, n_heads=4, n_kv_heads=4, ffn_dim=768, block_count=2, context_length=1024, name="random-small"
 )
-# The 407M seed shape (dim 2048, 16 heads, ffn 8192, k = 4); llama.cpp must stream its 32 unrolled layers.
-SEED = ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed")
 
 
 def _files(name: str, weight_type: str) -> tuple[Path, Path]:
@@ -56,10 +54,7 @@ def _files(name: str, weight_type: str) -> tuple[Path, Path]:
 
             src = model_path({"Q8_0": "int8", "Q4_0": "int4 RTN"}[weight_type])
     else:
-        cfg = {"random-small": SMALL, "seed": SEED}[name]
-        src = CACHE / f"{name}-{weight_type}.tinyloop"
-        if not src.exists():
-            write_model(src, cfg, random_weights(cfg, seed=0), weight_type=weight_type)
+        src = random_model({"random-small": SMALL, "seed": SEED}[name], weight_type)
     gguf = CACHE / f"{src.stem}-llama{LOOPS}.gguf"
     if not gguf.exists() or gguf.stat().st_mtime < src.stat().st_mtime:
         export_llama(src, gguf, loops=LOOPS)

@@ -1,15 +1,31 @@
 """The default model in every weight type the quantizer writes, built once with `tinyloop quantize` and cached
-under `.benchmarks/quant/` (rebuilt when the shipped model changes)."""
+under `.benchmarks/quant/` (rebuilt when the shipped model changes); and random models of the benches' shapes,
+cached there too."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import tinyloop
+from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
 CACHE = ROOT / ".benchmarks" / "quant"
+
+# The 407M seed shape (dim 2048, 16 heads, ffn 8192, k = 4): its weights do not fit any cache, so a decode step
+# streams them from memory.
+SEED = ModelConfig(dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, block_count=4, context_length=1024, name="seed")
+
+
+def random_model(cfg: ModelConfig, weight_type: str) -> Path:
+    """A model of shape `cfg` with random weights stored as `weight_type`, built on first use."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"{cfg.name}-{weight_type}.tinyloop"
+    if not path.exists():
+        write_model(path, cfg, random_weights(cfg, seed=0), weight_type=weight_type)
+    return path
+
 
 # name -> `tinyloop quantize` arguments (None: the shipped all-F16 file itself).
 WEIGHTS: dict[str, list[str] | None] = {

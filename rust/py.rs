@@ -751,6 +751,18 @@ fn release_memory(py: Python<'_>) {
     py.detach(crate::allocator::release_memory)
 }
 
+/// Start timing the stages of every step in this process (`rust/profile.rs`), from zero.
+#[pyfunction]
+fn start_profile() {
+    crate::profile::start();
+}
+
+/// Stop timing; per stage since `start_profile`: (seconds of wall time, calls).
+#[pyfunction]
+fn stop_profile() -> Vec<(&'static str, f64, u64)> {
+    crate::profile::stop().into_iter().map(|t| (t.stage.name(), t.seconds, t.calls)).collect()
+}
+
 /// Threads the engine's matmuls and attention run on: rayon's global pool, sized from `RAYON_NUM_THREADS` when the
 /// module first uses it (else one per core). Candle reads the same variable.
 #[pyfunction]
@@ -764,6 +776,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(start_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_profile, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;
     m.add_class::<ModelInfo>()?;

@@ -157,3 +157,26 @@ def test_generate_releases_the_gil(model_factory):
         t.join()
     # Python code ran on another thread while the whole generation was in Rust.
     assert during > 5
+
+
+def test_profile_times_every_stage_of_each_step(tiny_engine):
+    """`start_profile` / `stop_profile` sum wall time per stage: one step and one token choice per token, every
+    layer's weight products and attention inside the blocks, nothing counted once stopped."""
+    info = tiny_engine.info
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    tinyloop.start_profile()
+    tokens = len(list(tiny_engine.stream("Once upon a time", params, loops=3)))
+    totals = {name: (seconds, calls) for name, seconds, calls in tinyloop.stop_profile()}
+    layers = info.prelude_count + 3 * info.block_count
+    assert totals["step"][1] == tokens == 12
+    assert totals["sample"][1] == totals["head"][1] == totals["blocks"][1] == totals["embed"][1] == tokens
+    assert totals["matmul"][1] == 7 * layers * tokens  # q, k, v, output, gate, up, down
+    assert totals["attention"][1] == layers * tokens
+    assert all(seconds > 0 for seconds, _ in totals.values())
+    seconds = {name: s for name, (s, _) in totals.items()}
+    assert seconds["blocks"] >= seconds["matmul"] + seconds["attention"]
+    assert seconds["step"] >= seconds["blocks"] + seconds["head"] + seconds["sample"]
+    tiny_engine.generate("Once upon a time", params, loops=3)
+    assert tinyloop.stop_profile() == [(name, *totals[name]) for name in totals]
+    tinyloop.start_profile()
+    assert all(s == 0 and c == 0 for _, s, c in tinyloop.stop_profile())

@@ -32,6 +32,8 @@ from ._core import (
     TokenizerError,
     TokenStream,
     __version__,
+    start_profile,
+    stop_profile,
 )
 
 __all__ = [
@@ -62,4 +64,6 @@ __all__ = [
     "TokenStream",
     "TokenizerError",
     "__version__",
+    "start_profile",
+    "stop_profile",
 ]

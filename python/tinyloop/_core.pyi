@@ -35,6 +35,8 @@ __all__ = [
     "__version__",
     "num_threads",
     "release_memory",
+    "start_profile",
+    "stop_profile",
 ]
 
 __version__: str
@@ -57,6 +59,13 @@ def num_threads() -> int:
 
 def release_memory() -> None:
     """Return memory the allocator holds but no longer uses to the system (the server calls it when idle)."""
+
+def start_profile() -> None:
+    """Start timing the stages of every step in this process, from zero."""
+
+def stop_profile() -> list[tuple[str, float, int]]:
+    """Stop timing; per stage (step, embed, blocks, matmul, attention, head, sample): seconds of wall time and
+    calls since `start_profile`. `blocks` holds `matmul` and `attention`; `step` holds the rest."""
 
 class TinyloopError(Exception): ...
 class ModelLoadError(TinyloopError): ...

@@ -19,6 +19,7 @@ use super::plan::Speculative;
 use super::seq::SeqState;
 use crate::error::{Error, Result};
 use crate::model::{Model, RowBlock, SeqChunk};
+use crate::profile::{self, Stage};
 
 /// What a sequence does in a batched step.
 pub(super) enum Work {
@@ -48,7 +49,7 @@ pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> 
     let plain_x = draft_passes(model, members, &mut rounds, pause)?;
     let finals = verify_pass(model, loops, members, &rounds, plain_x, pause)?;
     let logits = model.logits(&Tensor::cat(&finals, 0)?)?.to_vec2::<f32>()?;
-    hand_out(members, rounds, logits)
+    profile::time(Stage::Sample, || hand_out(members, rounds, logits))
 }
 
 /// The draft passes: pass j runs draft row j of every round still drafting (loops `0..draft_loops`) and, in the
@@ -96,7 +97,7 @@ fn draft_passes(
         let logits = model.draft_logits(&Tensor::cat(&h, 0)?)?;
         for ((i, x), row) in draft_rows.into_iter().zip(logits) {
             if let Some(round) = rounds[i].as_mut() {
-                round.propose(members[i].seq, x, row);
+                profile::time(Stage::Sample, || round.propose(members[i].seq, x, row));
             }
         }
     }

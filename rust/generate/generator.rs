@@ -13,6 +13,7 @@ use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::limits::{MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_PREFILL_CHUNK, WINDOW_SLACK};
 use crate::model::{LogitRows, SeqChunk};
+use crate::profile::{self, Stage};
 use crate::sampler::{Sampler, TokenLogprob};
 
 /// Positions a sequence with window `w` keeps at a time: the window, the rollback slack, and the most rows one
@@ -106,6 +107,11 @@ impl Generator {
 
     /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
     pub fn step(&mut self) -> Result<Step> {
+        profile::time(Stage::Step, || self.advance())
+    }
+
+    /// `step`, untimed (a batched step times itself as a whole).
+    fn advance(&mut self) -> Result<Step> {
         if let Some(step) = self.seq.ready.pop_front() {
             return self.checked(step);
         }
@@ -131,7 +137,7 @@ impl Generator {
         }
         let logits = logits.ok_or_else(|| Error::Internal("nothing to feed".into()))?;
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        let step = seq.finish_step(feed.len(), &mut logits);
+        let step = profile::time(Stage::Sample, || seq.finish_step(feed.len(), &mut logits));
         self.checked(step)
     }
 
@@ -195,6 +201,10 @@ impl Generator {
 /// Advance every generator by one step — for each, what `Generator::step` alone would produce. A failure is
 /// reported for the generator it concerns; the others go on.
 pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
+    profile::time(Stage::Step, || batch_step(gens))
+}
+
+fn batch_step(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
     let mut plans: Vec<Next> = gens.iter_mut().map(|g| g.next()).collect();
     let mut out: Vec<Option<Result<Step>>> = (0..gens.len()).map(|_| None).collect();
     let mut keys: Vec<(usize, usize)> =
@@ -224,7 +234,7 @@ pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
         for i in idx {
             out[i] = Some(match ran {
                 // Nothing was emitted: each one runs alone, so an error lands on the request that caused it.
-                Err(_) => gens[i].step(),
+                Err(_) => gens[i].advance(),
                 Ok(()) => gens[i].take_ready("a batched step produced nothing"),
             });
         }
@@ -232,7 +242,7 @@ pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
     for (i, (g, plan)) in gens.iter_mut().zip(plans).enumerate() {
         match plan {
             Next::Done(step) => out[i] = Some(step),
-            Next::Solo if out[i].is_none() => out[i] = Some(g.step()),
+            Next::Solo if out[i].is_none() => out[i] = Some(g.advance()),
             _ => {}
         }
     }

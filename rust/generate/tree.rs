@@ -10,6 +10,7 @@ use super::plan::Speculative;
 use super::seq::SeqState;
 use crate::error::{Error, Result};
 use crate::model::{Model, SeqChunk, TreeRows};
+use crate::profile::{self, Stage};
 use crate::sampler::top_ids;
 
 /// One tree round: draft the tree, verify it in one pass, keep what the verifier agrees with.
@@ -23,7 +24,7 @@ pub(super) fn round(model: &Model, seq: &mut SeqState, spec: Speculative) -> Res
     let h = model.run(Tensor::cat(&tree.hidden, 0)?, &mut seqs, false, spec.draft_loops..spec.verify_loops)?;
     let logits = model.logits(&h)?.to_vec2::<f32>()?;
     seq.pending = None;
-    tree.walk(seq, logits);
+    profile::time(Stage::Sample, || tree.walk(seq, logits));
     Ok(())
 }
 

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::kernels::simd::silu_mul;
 use crate::kv::RowLayout;
 use crate::limits::ATTN_PARALLEL_MIN;
+use crate::profile::{self, Stage};
 
 pub(super) struct Layer {
     attn_norm: Vec<f32>,
@@ -70,12 +71,12 @@ impl Layer {
         let mut xs = x.flatten_all()?.to_vec1::<f32>()?; // (n, dim), the residual stream
         let h = rms_norm(&xs, &self.attn_norm, cfg.rms_eps);
         let att = self.attention(cfg, rope, &h, n, seqs, slot)?;
-        add_assign(&mut xs, &self.wo.forward_rows(&att, n)?);
+        add_assign(&mut xs, &product(&self.wo, &att, n)?);
         let h = rms_norm(&xs, &self.ffn_norm, cfg.rms_eps);
-        let mut m = self.gate.forward_rows(&h, n)?;
-        let up = self.up.forward_rows(&h, n)?;
+        let mut m = product(&self.gate, &h, n)?;
+        let up = product(&self.up, &h, n)?;
         silu_mul(&mut m, &up);
-        add_assign(&mut xs, &self.down.forward_rows(&m, n)?);
+        add_assign(&mut xs, &product(&self.down, &m, n)?);
         Ok(Tensor::from_vec(xs, (n, cfg.dim), &Device::Cpu)?)
     }
 
@@ -90,53 +91,65 @@ impl Layer {
         seqs: &mut [SeqChunk],
         slot: usize,
     ) -> Result<Vec<f32>> {
-        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
-        let mut q = self.wq.forward_rows(h, n)?; // (n, nh*hd)
-        let mut k = self.wk.forward_rows(h, n)?; // (n, nkv*hd)
-        let v = self.wv.forward_rows(h, n)?; // (n, nkv*hd)
-        let mut att = vec![0f32; q.len()];
-        let mut row = 0;
-        for s in seqs.iter() {
-            let n = s.tokens.len();
-            let causal: Vec<usize>;
-            let positions = match s.tree {
-                Some(t) => t.rope.as_slice(),
-                None => {
-                    causal = (s.pos..s.pos + n).collect();
-                    causal.as_slice()
-                }
-            };
-            rope.apply(&mut q[row * nh * hd..(row + n) * nh * hd], nh, positions);
-            rope.apply(&mut k[row * nkv * hd..(row + n) * nkv * hd], nkv, positions);
-            row += n;
-        }
-        // Each sequence attends over its own cache; several sequences (a batched decode step) spread over the pool
-        // when there is enough work (a pool round trip per layer costs more than short contexts' attention).
-        let mut jobs: Vec<AttnJob> = Vec::with_capacity(seqs.len());
-        let (mut row, mut rest) = (0, att.as_mut_slice());
-        for s in seqs.iter_mut() {
-            let n = s.tokens.len();
-            let (o, tail) = rest.split_at_mut(n * nh * hd);
-            rest = tail;
-            let kr = row * nkv * hd..(row + n) * nkv * hd;
-            jobs.push((s, &q[row * nh * hd..(row + n) * nh * hd], &k[kr.clone()], &v[kr], o));
-            row += n;
-        }
-        let attend = |(s, qq, kk, vv, o): AttnJob| match s.tree {
-            Some(t) => {
-                let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
-                s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
-            }
-            None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
-        };
-        let work: usize = seqs_work(&jobs, nh * hd);
-        if jobs.len() > 1 && work >= ATTN_PARALLEL_MIN {
-            jobs.into_par_iter().try_for_each(attend)?;
-        } else {
-            jobs.into_iter().try_for_each(attend)?;
-        }
-        Ok(att)
+        let mut q = product(&self.wq, h, n)?; // (n, nh*hd)
+        let mut k = product(&self.wk, h, n)?; // (n, nkv*hd)
+        let v = product(&self.wv, h, n)?; // (n, nkv*hd)
+        profile::time(Stage::Attention, || attend(cfg, rope, (&mut q, &mut k, &v), seqs, slot))
     }
+}
+
+/// RoPE over Q and K, then each sequence's K/V written to its cache slot and its attention over the cache; the
+/// attention output, `(n, n_heads·head_dim)`.
+fn attend(
+    cfg: &Config,
+    rope: &Rope,
+    (q, k, v): (&mut [f32], &mut [f32], &[f32]),
+    seqs: &mut [SeqChunk],
+    slot: usize,
+) -> Result<Vec<f32>> {
+    let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+    let mut att = vec![0f32; q.len()];
+    let mut row = 0;
+    for s in seqs.iter() {
+        let n = s.tokens.len();
+        let causal: Vec<usize>;
+        let positions = match s.tree {
+            Some(t) => t.rope.as_slice(),
+            None => {
+                causal = (s.pos..s.pos + n).collect();
+                causal.as_slice()
+            }
+        };
+        rope.apply(&mut q[row * nh * hd..(row + n) * nh * hd], nh, positions);
+        rope.apply(&mut k[row * nkv * hd..(row + n) * nkv * hd], nkv, positions);
+        row += n;
+    }
+    // Each sequence attends over its own cache; several sequences (a batched decode step) spread over the pool
+    // when there is enough work (a pool round trip per layer costs more than short contexts' attention).
+    let mut jobs: Vec<AttnJob> = Vec::with_capacity(seqs.len());
+    let (mut row, mut rest) = (0, att.as_mut_slice());
+    for s in seqs.iter_mut() {
+        let n = s.tokens.len();
+        let (o, tail) = rest.split_at_mut(n * nh * hd);
+        rest = tail;
+        let kr = row * nkv * hd..(row + n) * nkv * hd;
+        jobs.push((s, &q[row * nh * hd..(row + n) * nh * hd], &k[kr.clone()], &v[kr], o));
+        row += n;
+    }
+    let one = |(s, qq, kk, vv, o): AttnJob| match s.tree {
+        Some(t) => {
+            let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
+            s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
+        }
+        None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
+    };
+    let work: usize = seqs_work(&jobs, nh * hd);
+    if jobs.len() > 1 && work >= ATTN_PARALLEL_MIN {
+        jobs.into_par_iter().try_for_each(one)?;
+    } else {
+        jobs.into_iter().try_for_each(one)?;
+    }
+    Ok(att)
 }
 
 /// One sequence's share of a layer's attention: its chunk, its Q, K and V rows, and its piece of the output.
@@ -145,6 +158,11 @@ type AttnJob<'s, 'a> = (&'s mut SeqChunk<'a>, &'s [f32], &'s [f32], &'s [f32], &
 /// Query-key products of a layer's attention: rows × positions they see × query width, summed over sequences.
 fn seqs_work(jobs: &[AttnJob], width: usize) -> usize {
     jobs.iter().map(|(s, ..)| s.tokens.len() * (s.pos + s.tokens.len()) * width).sum()
+}
+
+/// `x · Wᵀ` for the `n` rows of `x`, timed as the layers' weight products.
+fn product(w: &Linear, x: &[f32], n: usize) -> Result<Vec<f32>> {
+    profile::time(Stage::Matmul, || w.forward_rows(x, n))
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {

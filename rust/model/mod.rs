@@ -32,6 +32,7 @@ use crate::error::Result;
 use crate::kernels::AttnShape;
 use crate::kv::{KvCache, KvKind};
 use crate::limits::MAX_LOOPS;
+use crate::profile::{self, Stage};
 
 pub struct Model {
     pub cfg: Config,
@@ -110,19 +111,16 @@ impl Model {
     /// `Engine::score`, `Engine::feed`).
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         debug_assert!(tokens.iter().all(|&t| (t as usize) < self.cfg.vocab_size), "token ids are checked on entry");
-        self.embd.rows(tokens)
+        profile::time(Stage::Embed, || self.embd.rows(tokens))
     }
 
     /// Run the prelude (when `with_prelude`) and then block loops `loops` over `x` (rows of all `seqs`, in order).
-    pub fn run(&self, mut x: Tensor, seqs: &mut [SeqChunk], with_prelude: bool, loops: Range<usize>) -> Result<Tensor> {
+    pub fn run(&self, x: Tensor, seqs: &mut [SeqChunk], with_prelude: bool, loops: Range<usize>) -> Result<Tensor> {
         debug_assert!(loops.end <= MAX_LOOPS, "loops are checked on entry");
-        if with_prelude {
-            x = self.prelude_pass(x, seqs)?;
-        }
-        for lp in loops {
-            x = self.loop_pass(x, seqs, lp)?;
-        }
-        Ok(x)
+        profile::time(Stage::Blocks, || {
+            let x = if with_prelude { self.prelude_pass(x, seqs)? } else { x };
+            loops.into_iter().try_fold(x, |x, lp| self.loop_pass(x, seqs, lp))
+        })
     }
 
     fn prelude_pass(&self, x: Tensor, seqs: &mut [SeqChunk]) -> Result<Tensor> {
@@ -141,6 +139,10 @@ impl Model {
     /// over the rows of all blocks whose range holds it (the prelude first, for blocks starting at loop 0). This is
     /// how a speculative draft or verification shares its weight reads with plain rows of other sequences.
     pub fn run_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
+        profile::time(Stage::Blocks, || self.run_row_blocks(blocks))
+    }
+
+    fn run_row_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
         let (Some(first), Some(last)) =
             (blocks.iter().map(|b| b.loops.start).min(), blocks.iter().map(|b| b.loops.end).max())
         else {
@@ -204,7 +206,9 @@ impl Model {
     /// head's. Never used to choose an output token.
     pub fn draft_logits(&self, h: &Tensor) -> Result<Vec<Vec<f32>>> {
         match &self.draft_head {
-            Some(d) if self.use_draft_head => d.logits(&self.final_norm(h)?, self.cfg.vocab_size),
+            Some(d) if self.use_draft_head => {
+                profile::time(Stage::Head, || d.logits(&self.final_norm(h)?, self.cfg.vocab_size))
+            }
             _ => Ok(self.logits(h)?.to_vec2::<f32>()?),
         }
     }
@@ -215,6 +219,10 @@ impl Model {
 
     /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        profile::time(Stage::Head, || self.head_logits(h))
+    }
+
+    fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
         let h = self.final_norm(h)?;
         let logits = self.head.forward(&h)?.to_dtype(DType::F32)?;
         match logits.dim(candle_core::D::Minus1)? {
