@@ -751,6 +751,13 @@ fn release_memory(py: Python<'_>) {
     py.detach(crate::allocator::release_memory)
 }
 
+/// The instruction-set level tinyloop's kernels run at: "avx512+vnni", "avx512", "avx2" or "scalar" (the best the
+/// CPU has, or lower as `TINYLOOP_ISA` asks; `rust/kernels/isa.rs`).
+#[pyfunction]
+fn isa() -> String {
+    crate::kernels::isa::describe()
+}
+
 /// Start timing the stages of every step in this process (`rust/profile.rs`), from zero.
 #[pyfunction]
 fn start_profile() {
@@ -777,6 +784,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
     m.add_function(wrap_pyfunction!(start_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(stop_profile, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<SamplingParams>()?;

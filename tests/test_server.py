@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -205,6 +206,9 @@ def test_api_v0_sections(server, tiny):
         "kv_cache_mode": "fp16",
     }
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
+    # The server process runs at the best level (test servers get no TINYLOOP_ variables).
+    assert r["runtime"]["isa"] in ("avx512+vnni", "avx512", "avx2", "scalar")
+    assert "TINYLOOP_ISA" in os.environ or r["runtime"]["isa"] == tinyloop._core.isa()
     refused = httpx.post(f"{server}/v1/completions", json=body, timeout=60)  # an /api/v0 field, not an OpenAI one
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "repetition_penalty"
     del body["repetition_penalty"]

@@ -17,8 +17,10 @@ import sys
 
 def _info(args: argparse.Namespace) -> int:
     from . import Engine
+    from ._core import isa
 
     print(Engine(args.model).info)
+    print(f"kernels: {isa()}")
     return 0
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "TokenizerError",
     "__commit__",
     "__version__",
+    "isa",
     "num_threads",
     "release_memory",
     "start_profile",
@@ -53,6 +54,10 @@ MAX_TOP_K: int  # largest top_k the HTTP API accepts (the sampler honours any)
 MAX_LOGPROBS: int  # most alternatives a token's log-probability lists
 PREFILL_CHUNK: int  # prompt tokens a stream prefills per batched step
 WINDOW_SLACK: int  # positions a windowed cache keeps below the window for speculative rollback
+
+def isa() -> str:
+    """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2" or "scalar" (the best the CPU
+    has, or lower as TINYLOOP_ISA asks)."""
 
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::grammar::Grammars;
+use crate::kernels::isa;
 use crate::kv::{KvCache, KvKind};
 use crate::limits::{MAX_LOGPROBS, MAX_LOOPS};
 use crate::loader::{self, ModelFile};
@@ -49,6 +50,7 @@ impl Engine {
     }
 
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
+        isa::requested().map_err(Error::InvalidArgument)?;
         let ModelFile { config, vocab, tensors, quant, draft_ids } = loader::load(path)?;
         let tokenizer = Arc::new(Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),

@@ -1,6 +1,6 @@
 //! Attention over an f16 KV cache (the "fp16" mode) for query rows that see contiguous index ranges: prefill
 //! chunks, self-speculative verification and plain decode (tree verification, whose rows see scattered ancestors,
-//! goes through `kv::attend_one`). With AVX-512 only.
+//! goes through `kv::attend_one`). With AVX-512 only (`isa::avx512`).
 //!
 //! Up to `ROWS` query rows of one head are attended together. Scores take 16 keys at a time: the keys are widened to
 //! f32 once into a scratch block that every row reads from L1, each (row, key) pair gets one 16-lane multiply-add
@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 use half::f16;
 use rayon::prelude::*;
 
+use super::isa;
 use super::simd::{hsum, softmax_in_place};
 use super::AttnShape;
 use crate::limits::ATTN_PARALLEL_MIN;
@@ -31,7 +32,8 @@ pub const ROWS: usize = 6;
 ///
 /// # Safety
 /// As `hsum`.
-#[inline(always)]
+#[target_feature(enable = "avx512f")]
+#[inline]
 unsafe fn reduce_16x16(a: &[__m512; LANES]) -> __m512 {
     // Level 1: [x(i) + x(i+8) for 8 lanes | y(i) + y(i+8)].
     let l1 = |x, y| _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y));
@@ -66,6 +68,7 @@ pub struct Scratch {
 /// # Safety
 /// As `hsum`. Ranges must lie inside `keys` / `values`, `q[r]` and `out[r]` must hold `hd` values.
 // 77 lines: the hot kernel's score, softmax and value phases share one scratch block and stay one unit.
+#[target_feature(enable = "avx512f")]
 pub unsafe fn attend_rows(
     keys: &[f16],
     values: &[f16],
@@ -154,7 +157,7 @@ pub struct F16Heads<'a> {
 
 /// Attention of every row of `q` into `out` (`(n, n_heads·hd)`) over one slot's f16 K/V, row i seeing the cache
 /// indices `range(i)`: `ROWS` consecutive rows of one head per task; `work` decides whether the tasks run on the
-/// rayon pool.
+/// rayon pool. Only with AVX-512 (`isa::avx512`; asserted).
 pub fn attend_blocks(
     heads: F16Heads,
     q: &[f32],
@@ -163,6 +166,7 @@ pub fn attend_blocks(
     range: impl Fn(usize) -> (usize, usize) + Sync,
 ) {
     let F16Heads { keys, values, shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap } = heads;
+    assert!(isa::avx512(), "the blocked f16 attention needs AVX-512");
     assert!(
         hd.is_multiple_of(64) && keys.len() >= n_kv_heads * cap * hd && values.len() == keys.len(),
         "f16 attention shapes"
@@ -183,7 +187,7 @@ pub fn attend_blocks(
         let mut outs: Vec<&mut [f32]> =
             (0..nr).map(|r| unsafe { dst.piece(((r0 + r) * n_heads + h) * hd, hd) }).collect();
         let (k, v) = (&keys[g * cap * hd..(g + 1) * cap * hd], &values[g * cap * hd..(g + 1) * cap * hd]);
-        // SAFETY: avx512f is enabled (this module's cfg); hd is a multiple of 64 (asserted above); attend_rows checks
+        // SAFETY: the CPU has AVX-512 F (asserted above); hd is a multiple of 64 (asserted above); attend_rows checks
         // the ranges against `k` / `v`; q / out pieces are hd wide.
         unsafe { attend_rows(k, v, hd, scale, &rows, &mut outs, scratch) }
     };
@@ -223,7 +227,8 @@ impl OutRows {
 ///
 /// # Safety
 /// As `hsum`; `k` and `q` must hold `hd` values.
-#[inline(always)]
+#[target_feature(enable = "avx512f")]
+#[inline]
 unsafe fn chain(k: *const f32, q: *const f32, hd: usize) -> f32 {
     let mut acc = _mm512_setzero_ps();
     for c in (0..hd).step_by(LANES) {
@@ -244,6 +249,9 @@ mod tests {
 
     #[test]
     fn transposing_tree_is_sixteen_hsums_bit_for_bit() {
+        if !isa::avx512() {
+            return; // the kernel runs only with AVX-512
+        }
         let x = pseudo(256, 3);
         unsafe {
             let a: [__m512; LANES] = std::array::from_fn(|j| _mm512_loadu_ps(x.as_ptr().add(j * LANES)));
@@ -273,6 +281,9 @@ mod tests {
 
     #[test]
     fn rows_match_f64_and_do_not_depend_on_their_block_mates() {
+        if !isa::avx512() {
+            return; // the kernel runs only with AVX-512
+        }
         for hd in [64, 128] {
             let n_keys = 53; // three full 16-key blocks and a tail of 5
             let k: Vec<f16> = pseudo(n_keys * hd, 1).iter().map(|&x| f16::from_f32(2.0 * x)).collect();

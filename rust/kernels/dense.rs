@@ -11,6 +11,8 @@ use candle_core::quantized::QTensor;
 use candle_core::Device;
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::isa;
 use super::panels::{by_rows, panels, Block, PanelKernel, MR, PANEL};
 use super::Kernel;
 use crate::error::Result;
@@ -23,7 +25,7 @@ pub trait Dense: Copy + Send + Sync + 'static {
     ///
     /// # Safety
     /// `p` must point to 16 readable elements; the CPU must have AVX-512 F.
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
@@ -32,7 +34,9 @@ impl Dense for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
@@ -44,7 +48,9 @@ impl Dense for f32 {
     fn to_f32(self) -> f32 {
         self
     }
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
     }
@@ -135,12 +141,32 @@ impl<W: Dense> Kernel for DenseMatrix<W> {
 /// `out[a][o] = Σ_c x[i0 + a][c] · w[c][o]` for `R` input rows and one panel `w (k, 64)`, each output one lane of
 /// an accumulator that starts at 0 and takes one fused multiply-add per input position, in order — the same
 /// arithmetic whatever `R` or the panel's neighbours.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { panel_dots_avx512::<W, R>(x, k, i0, w, out) };
+    }
+    for (a, dst) in out.iter_mut().take(R).enumerate() {
+        let xr = &x[(i0 + a) * k..(i0 + a + 1) * k];
+        let mut acc = [0f32; PANEL];
+        for (c, &xc) in xr.iter().enumerate() {
+            for (v, wv) in acc.iter_mut().zip(&w[c * PANEL..(c + 1) * PANEL]) {
+                *v = xc.mul_add(wv.to_f32(), *v);
+            }
+        }
+        *dst = acc;
+    }
+}
+
+/// `panel_dots` in 4 AVX-512 vectors of 16 lanes, the same arithmetic.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn panel_dots_avx512<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
     use std::arch::x86_64::*;
     assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
-    // SAFETY: avx512f is enabled at compile time (the cfg above); the assert keeps every read inside x and w.
-    unsafe {
+    // The assert keeps every read inside x and w.
+    {
         let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for c in 0..k {
@@ -158,20 +184,5 @@ fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W],
                 _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
             }
         }
-    }
-}
-
-/// Portable version of the above, the same arithmetic (the compiler vectorizes the 64 lanes).
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
-    for (a, dst) in out.iter_mut().take(R).enumerate() {
-        let xr = &x[(i0 + a) * k..(i0 + a + 1) * k];
-        let mut acc = [0f32; PANEL];
-        for (c, &xc) in xr.iter().enumerate() {
-            for (v, wv) in acc.iter_mut().zip(&w[c * PANEL..(c + 1) * PANEL]) {
-                *v = xc.mul_add(wv.to_f32(), *v);
-            }
-        }
-        *dst = acc;
     }
 }

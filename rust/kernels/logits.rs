@@ -1,7 +1,11 @@
 //! Vector passes over one row of logits, for the sampler: the maximum and the argmax, `exp((x − max) / T)` with block sums, the
 //! mass below a threshold, and the ids at or above one. Each touches the vocabulary once, 16 lanes at a time with
 //! AVX-512 (`simd::exp16`, within 2 ulp of libm's `expf`), so that a sampled token costs a few passes over 200 KB
-//! rather than a sort of the whole vocabulary. Elsewhere the same results come from scalar loops.
+//! rather than a sort of the whole vocabulary. Below AVX-512 (`isa::avx512`) the same results come from portable
+//! loops.
+
+#[cfg(target_arch = "x86_64")]
+use super::isa;
 
 /// Ids per block of `exp_weights`' block sums: a draw finds its block among ~50 sums, then its id among 1024 weights.
 pub const BLOCK: usize = 1024;
@@ -37,12 +41,13 @@ pub fn exp_weights(x: &[f32], max: f32, inv_t: f32, out: &mut Vec<f32>, blocks: 
     blocks.iter().sum()
 }
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn exp_block(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
+/// `exp_block` 16 lanes at a time: loads and stores stay inside the slices (the tail through a mask). NaN compares
+/// false in `x ≥ −∞`, so it and −∞ (e⁻∞ = 0 anyway) are zeroed by the mask.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_block_avx512(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
     use std::arch::x86_64::*;
-    // SAFETY: avx512f is enabled at compile time; loads and stores stay inside the slices (the tail through a
-    // mask). NaN compares false in `x ≥ −∞`, so it and −∞ (e⁻∞ = 0 anyway) are zeroed by the mask.
-    unsafe {
+    {
         let (m, s, lowest) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t), _mm512_set1_ps(f32::MIN));
         let mut acc = _mm512_setzero_ps();
         for (xc, oc) in x.chunks(16).zip(out.chunks_mut(16)) {
@@ -57,8 +62,12 @@ fn exp_block(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 fn exp_block(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { exp_block_avx512(x, max, inv_t, out) };
+    }
     let mut sum = 0.0f32;
     for (o, &v) in out.iter_mut().zip(x) {
         *o = if v >= f32::MIN { ((v - max) * inv_t).exp() } else { 0.0 };
@@ -72,11 +81,12 @@ pub fn exp_sum_below(x: &[f32], max: f32, inv_t: f32, below: f32) -> f64 {
     x.chunks(BLOCK).map(|b| exp_sum_below_block(b, max, inv_t, below) as f64).sum()
 }
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn exp_sum_below_block(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
+/// `exp_sum_below_block` 16 lanes at a time; loads stay inside `x` (the tail through a mask).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sum_below_block_avx512(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
     use std::arch::x86_64::*;
-    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask).
-    unsafe {
+    {
         let (m, s) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t));
         let (lowest, limit) = (_mm512_set1_ps(f32::MIN), _mm512_set1_ps(below));
         let mut acc = _mm512_setzero_ps();
@@ -94,28 +104,38 @@ fn exp_sum_below_block(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 fn exp_sum_below_block(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { exp_sum_below_block_avx512(x, max, inv_t, below) };
+    }
     x.iter().filter(|&&v| v >= f32::MIN && v < below).map(|&v| ((v - max) * inv_t).exp()).sum()
 }
 
 /// How many x[i] are ≥ `at_least` (a count of `ids_at_least` without the ids).
 pub fn count_at_least(x: &[f32], at_least: f32) -> usize {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask).
-    unsafe {
-        use std::arch::x86_64::*;
-        let limit = _mm512_set1_ps(at_least);
-        x.chunks(16)
-            .map(|c| {
-                let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
-                let v = _mm512_maskz_loadu_ps(load, c.as_ptr());
-                _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, limit).count_ones() as usize
-            })
-            .sum()
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { count_at_least_avx512(x, at_least) };
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
     x.iter().filter(|&&v| v >= at_least).count()
+}
+
+/// `count_at_least` 16 lanes at a time; loads stay inside `x` (the tail through a mask).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn count_at_least_avx512(x: &[f32], at_least: f32) -> usize {
+    use std::arch::x86_64::*;
+    let limit = _mm512_set1_ps(at_least);
+    let mut n = 0;
+    for c in x.chunks(16) {
+        let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+        let v = _mm512_maskz_loadu_ps(load, c.as_ptr());
+        n += _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, limit).count_ones() as usize;
+    }
+    n
 }
 
 /// Logits per group of `group_maxima`.
@@ -126,35 +146,52 @@ pub const GROUP: usize = 16;
 /// AVX-512 a group is one lane of 16 consecutive vectors: a 256-logit block gives 16 maxima in 16 `vmaxps`.
 pub fn group_maxima(x: &[f32], out: &mut Vec<f32>) {
     out.clear();
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask, −∞ elsewhere).
-    // `vmaxps` returns its second operand when either is NaN, so a NaN logit leaves the running maximum as it was.
-    unsafe {
-        use std::arch::x86_64::*;
-        let lowest = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut lanes = [0f32; 16];
-        for block in x.chunks(GROUP * 16) {
-            let mut acc = lowest;
-            for c in block.chunks(16) {
-                let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
-                acc = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, load, c.as_ptr()), acc);
-            }
-            _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
-            out.extend_from_slice(&lanes);
-        }
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { group_maxima_avx512(x, out) };
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
     out.extend(x.chunks(GROUP).map(|c| c.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })));
+}
+
+/// `group_maxima` with a group in each lane of 16 consecutive vectors; loads stay inside `x` (the tail through a
+/// mask, −∞ elsewhere). `vmaxps` returns its second operand when either is NaN, so a NaN logit leaves the running
+/// maximum as it was.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_maxima_avx512(x: &[f32], out: &mut Vec<f32>) {
+    use std::arch::x86_64::*;
+    let lowest = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut lanes = [0f32; 16];
+    for block in x.chunks(GROUP * 16) {
+        let mut acc = lowest;
+        for c in block.chunks(16) {
+            let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+            acc = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, load, c.as_ptr()), acc);
+        }
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        out.extend_from_slice(&lanes);
+    }
 }
 
 /// The ids i with x[i] ≥ `at_least`, ascending, into `out` (cleared first).
 pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
     out.clear();
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    // SAFETY: avx512f is enabled at compile time; loads stay inside `x` (the tail through a mask); `out` has room
-    // for x.len() ids, each chunk stores at most its own 16 at `out`'s end, and the length is set to what was stored.
-    unsafe {
-        use std::arch::x86_64::*;
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { ids_at_least_avx512(x, at_least, out) };
+    }
+    out.extend((0..x.len() as u32).filter(|&i| x[i as usize] >= at_least));
+}
+
+/// `ids_at_least` 16 lanes at a time: loads stay inside `x` (the tail through a mask); `out` has room for x.len()
+/// ids, each chunk stores at most its own 16 at `out`'s end, and the length is set to what was stored.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn ids_at_least_avx512(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
+    use std::arch::x86_64::*;
+    {
         out.reserve(x.len());
         let (limit, lane) =
             (_mm512_set1_ps(at_least), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
@@ -170,8 +207,6 @@ pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
         }
         out.set_len(n);
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-    out.extend((0..x.len() as u32).filter(|&i| x[i as usize] >= at_least));
 }
 
 /// `Σ w[j]` over the ids ahead of `id` in descending order of `x` (ties: lower id first): x[j] > x[id], or
@@ -183,12 +218,22 @@ pub fn mass_ahead(x: &[f32], w: &[f32], id: usize) -> f64 {
 }
 
 /// `Σ w[j]` over x[j] ≥ `pivot` (`OR_EQUAL`) or x[j] > `pivot`.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { mass_where_avx512::<OR_EQUAL>(x, w, pivot) };
+    }
+    x.iter().zip(w).filter(|(&v, _)| v > pivot || (OR_EQUAL && v == pivot)).map(|(_, &m)| m as f64).sum()
+}
+
+/// `mass_where` 16 lanes at a time: `x` and `w` have one length and loads stay inside them (the tail through a
+/// mask).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn mass_where_avx512<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
     use std::arch::x86_64::*;
-    // SAFETY: avx512f is enabled at compile time; `x` and `w` have one length and loads stay inside them (the tail
-    // through a mask).
-    unsafe {
+    {
         let p = _mm512_set1_ps(pivot);
         let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
         for (xc, wc) in x.chunks(16).zip(w.chunks(16)) {
@@ -212,11 +257,6 @@ fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
-    x.iter().zip(w).filter(|(&v, _)| v > pivot || (OR_EQUAL && v == pivot)).map(|(_, &m)| m as f64).sum()
-}
-
 /// `bucket[j] = min(255, ⌊(hi − x[j]) · scale⌋)`: the histogram bin of each logit (a monotone function of it).
 pub fn buckets(x: &[f32], hi: f32, scale: f32, out: &mut Vec<u8>) {
     out.clear();
@@ -229,23 +269,29 @@ pub fn buckets(x: &[f32], hi: f32, scale: f32, out: &mut Vec<u8>) {
 pub fn exp_f64(x: &[f32], max: f32, inv_t: f64, out: &mut Vec<f64>) {
     out.clear();
     out.resize(x.len(), 0.0);
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    // SAFETY: avx512f is enabled at compile time; loads and stores stay inside the slices (the tail through a mask).
-    unsafe {
-        use std::arch::x86_64::*;
-        let (m, s) = (_mm512_set1_pd(max as f64), _mm512_set1_pd(inv_t));
-        for (xc, oc) in x.chunks(8).zip(out.chunks_mut(8)) {
-            let mask: __mmask8 = if xc.len() == 8 { !0 } else { (1u8 << xc.len()) - 1 };
-            let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, xc.as_ptr()));
-            _mm512_mask_storeu_pd(oc.as_mut_ptr(), mask, exp8(_mm512_mul_pd(_mm512_sub_pd(v, m), s)));
-        }
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F and VL (`isa::avx512`).
+        return unsafe { exp_f64_avx512(x, max, inv_t, out) };
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
     out.iter_mut().zip(x).for_each(|(o, &v)| *o = ((v as f64 - max as f64) * inv_t).exp());
 }
 
+/// `exp_f64` 8 lanes at a time; loads and stores stay inside the slices (the tail through a mask).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl")]
+unsafe fn exp_f64_avx512(x: &[f32], max: f32, inv_t: f64, out: &mut [f64]) {
+    use std::arch::x86_64::*;
+    let (m, s) = (_mm512_set1_pd(max as f64), _mm512_set1_pd(inv_t));
+    for (xc, oc) in x.chunks(8).zip(out.chunks_mut(8)) {
+        let mask: __mmask8 = if xc.len() == 8 { !0 } else { (1u8 << xc.len()) - 1 };
+        let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, xc.as_ptr()));
+        _mm512_mask_storeu_pd(oc.as_mut_ptr(), mask, exp8(_mm512_mul_pd(_mm512_sub_pd(v, m), s)));
+    }
+}
+
 /// 1/d! for d = 0..=13: the Taylor coefficients of `exp8`.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(target_arch = "x86_64")]
 const INV_FACTORIAL: [f64; 14] = {
     let (mut c, mut d) = ([1.0f64; 14], 1);
     while d < 14 {
@@ -258,8 +304,9 @@ const INV_FACTORIAL: [f64; 14] = {
 /// `eˣ` in 8 f64 lanes (see `exp_f64`); x is clamped to [−745, 709] (0 and finite large values at the ends).
 ///
 /// # Safety
-/// The CPU must have AVX-512 F (the caller's cfg).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+/// The CPU must have AVX-512 F (`isa::avx512`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn exp8(x: std::arch::x86_64::__m512d) -> std::arch::x86_64::__m512d {
     use std::arch::x86_64::*;

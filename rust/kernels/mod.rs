@@ -1,14 +1,16 @@
 //! tinyloop's own compute kernels: the panel-packed matmuls (`dense` for F16/F32 weights, `vnni` for Q4_0/Q8_0 where
 //! the CPU has AVX-512 VNNI) over the shared driver in `panels`, blocked f16 attention (`attn_f16`), and 16-lane vector
-//! math (`simd`). The items every kernel shares are defined here; this module imports none of its children.
+//! math (`simd`); `isa` picks, when a kernel first asks, whether their AVX-512 bodies run. The items every kernel
+//! shares are defined here; this module imports none of its children.
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(target_arch = "x86_64")]
 pub mod attn_f16;
 pub mod dense;
+pub mod isa;
 pub mod logits;
 pub(crate) mod panels;
 pub mod simd;
-#[cfg(vnni)]
+#[cfg(target_arch = "x86_64")]
 pub mod vnni;
 
 /// A weight held by one of tinyloop's own kernels: `(rows, width)`.

@@ -1,9 +1,12 @@
 //! Vector math shared by attention (`kv`, `attn_f16`) and the SwiGLU gate (`model`): `eˣ` 16 lanes at a time, the
-//! softmax built on it, and the fixed-order horizontal sum every f16 attention score ends with. Without AVX-512 the
-//! callers use libm's `expf`.
+//! softmax built on it, and the fixed-order horizontal sum every f16 attention score ends with. Without AVX-512
+//! (`isa::avx512`) the callers use libm's `expf`.
+
+#[cfg(target_arch = "x86_64")]
+use super::isa;
 
 /// Lanes of the vectors below.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(target_arch = "x86_64")]
 const LANES: usize = 16;
 
 /// `eˣ` in 16 lanes: x = n·ln 2 + r with |r| ≤ ln 2 / 2 (ln 2 split in two so n·ln 2 is exact), a degree-6
@@ -12,8 +15,9 @@ const LANES: usize = 16;
 /// 2 ulp of libm's `expf` (tested over [−104, 88]).
 ///
 /// # Safety
-/// The CPU must have AVX-512 F (the callers' cfg).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+/// The CPU must have AVX-512 F (`isa::avx512`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
 #[inline]
 pub(crate) unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
@@ -35,30 +39,37 @@ pub(crate) unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::_
 /// `gate[i] = silu(gate[i]) · up[i] = gate[i] / (1 + e^−gate[i]) · up[i]` (the SwiGLU feed-forward's gate).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "silu_mul lengths");
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    // SAFETY: avx512f is enabled at compile time; masked loads and stores stay inside both slices.
-    unsafe {
-        use std::arch::x86_64::*;
-        let one = _mm512_set1_ps(1.0);
-        for (g, u) in gate.chunks_mut(16).zip(up.chunks(16)) {
-            let mask: __mmask16 = if g.len() == 16 { !0 } else { (1u16 << g.len()) - 1 };
-            let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr());
-            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            let v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_maskz_loadu_ps(mask, u.as_ptr()));
-            _mm512_mask_storeu_ps(g.as_mut_ptr(), mask, v);
-        }
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { silu_mul_avx512(gate, up) };
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
     gate.iter_mut().zip(up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+}
+
+/// `silu_mul` 16 lanes at a time; masked loads and stores stay inside both slices.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    let one = _mm512_set1_ps(1.0);
+    for (g, u) in gate.chunks_mut(16).zip(up.chunks(16)) {
+        let mask: __mmask16 = if g.len() == 16 { !0 } else { (1u16 << g.len()) - 1 };
+        let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr());
+        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        let v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_maskz_loadu_ps(mask, u.as_ptr()));
+        _mm512_mask_storeu_ps(g.as_mut_ptr(), mask, v);
+    }
 }
 
 /// The sum of a vector's 16 lanes, pairing lanes (i, i+8), then (i, i+4), (i, i+2), (i, i+1) — the order of each
 /// lane of `attn_f16::reduce_16x16`.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F (the callers' cfg).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-#[inline(always)]
+/// The CPU must have AVX-512 F (`isa::avx512`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
 pub unsafe fn hsum(a: std::arch::x86_64::__m512) -> f32 {
     use std::arch::x86_64::*;
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
@@ -77,30 +88,33 @@ pub fn softmax_in_place(s: &mut [f32]) {
     s.iter_mut().for_each(|v| *v /= sum);
 }
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
-    use std::arch::x86_64::*;
-    // SAFETY: avx512f is enabled at compile time; loads and stores stay inside `s` (the tail through a mask).
-    unsafe {
-        let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
-        for chunk in s.chunks_mut(LANES) {
-            let mask: __mmask16 = if chunk.len() == LANES { !0 } else { (1u16 << chunk.len()) - 1 };
-            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
-            _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
-            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
-        }
-        _mm512_reduce_add_ps(acc)
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { exp_minus_and_sum_avx512(s, max) };
     }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
     let mut sum = 0.0f32;
     for v in s.iter_mut() {
         *v = (*v - max).exp();
         sum += *v;
     }
     sum
+}
+
+/// `exp_minus_and_sum` 16 lanes at a time; loads and stores stay inside `s` (the tail through a mask).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_minus_and_sum_avx512(s: &mut [f32], max: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
+    for chunk in s.chunks_mut(LANES) {
+        let mask: __mmask16 = if chunk.len() == LANES { !0 } else { (1u16 << chunk.len()) - 1 };
+        let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, chunk.as_ptr()), m));
+        _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+    }
+    _mm512_reduce_add_ps(acc)
 }
 
 #[cfg(test)]
@@ -111,16 +125,19 @@ mod tests {
         (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 997) as f32 / 100.0 - 5.0).collect()
     }
 
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn exp16_is_within_two_ulp_of_f64_and_saturates() {
         use std::arch::x86_64::*;
+        if !isa::avx512() {
+            return; // nothing to check below AVX-512
+        }
         let mut xs: Vec<f32> = (0..192_000).map(|i| -104.0 + i as f32 * 1e-3).collect(); // -104 up to 88
         xs.extend([0.0, -0.0, -1e-30, 1e-30, -87.3, -103.0, 88.5, -150.0, f32::NEG_INFINITY, f32::MIN]);
         xs.extend([89.0, 1e4, f32::MAX, f32::INFINITY, 0.0, 0.0]);
         for chunk in xs.chunks_exact(16) {
             let mut got = [0f32; 16];
-            // SAFETY: the cfg above; 16 values in, 16 out.
+            // SAFETY: the CPU has AVX-512 F (checked above); 16 values in, 16 out.
             unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp16(_mm512_loadu_ps(chunk.as_ptr()))) };
             for (&x, &g) in chunk.iter().zip(&got) {
                 let want = (x as f64).exp();

@@ -19,6 +19,7 @@ use std::arch::x86_64::*;
 use candle_core::quantized::QTensor;
 use half::f16;
 
+use super::isa;
 use super::panels::{panels, Block, PanelKernel, PANEL};
 use super::Kernel;
 use crate::error::{Error, Result};
@@ -70,7 +71,11 @@ struct Q8Rows {
 }
 
 impl QMatrix {
+    /// The repacked weight; an error where the CPU lacks AVX-512 VNNI (`isa::vnni`), which every kernel here needs.
     pub fn new(t: &QTensor, codes: Codes) -> Result<Self> {
+        if !isa::vnni() {
+            return Err(Error::Internal("the Q4_0 / Q8_0 kernel needs AVX-512 VNNI".into()));
+        }
         let (n, k) = t.shape().dims2()?;
         if k % QK != 0 {
             return Err(Error::Internal(format!("block-quantized weight width {k} is not a multiple of {QK}")));
@@ -244,7 +249,8 @@ impl PanelKernel for QRun<'_> {
         let mut done = 0;
         while done < rows {
             let (i, dst) = (i0 + done, &mut out[done..]);
-            // SAFETY: the cfg of this module guarantees AVX-512 F/BW/VNNI; `panels` keeps i0 + rows within m.
+            // SAFETY: a QMatrix exists only where the CPU has AVX-512 F/BW/VNNI (`QMatrix::new` checks
+            // `isa::vnni`); `panels` keeps i0 + rows within m.
             unsafe {
                 match rows - done {
                     1 => self.mat.panel_dots::<1>(&self.xq, p, i, unpacked, dst),
@@ -293,10 +299,14 @@ impl Kernel for QMatrix {
 
 /// One block of 32 activations as ggml's AVX code quantizes it: `d = amax / 127`, `q = round(x / d)` to nearest
 /// (ties to even, the vector unit's mode), saturated to i8. Returns `d` (before its f16 rounding).
-fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
+///
+/// # Safety
+/// The CPU must have AVX-512 F (a QMatrix exists only where it has AVX-512 VNNI).
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
     assert_eq!(xb.len(), QK);
-    // SAFETY: the cfg of this module guarantees AVX-512 F; xb holds 32 floats and q 32 bytes (checked above).
-    unsafe {
+    // xb holds 32 floats and q 32 bytes (checked above).
+    {
         let (a, b) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         let d = amax / 127.0;
@@ -322,7 +332,9 @@ impl Q8Rows {
         for i in 0..m {
             for b in 0..nb {
                 let ib = i * nb + b;
-                d[ib] = f16::from_f32(quantize_block(&x[ib * QK..(ib + 1) * QK], &mut q)).to_f32();
+                // SAFETY: a QMatrix, whose inputs these are, exists only where the CPU has AVX-512 VNNI.
+                let scale = unsafe { quantize_block(&x[ib * QK..(ib + 1) * QK], &mut q) };
+                d[ib] = f16::from_f32(scale).to_f32();
                 let dst = &mut qs[ib * QK..(ib + 1) * QK];
                 match codes {
                     Codes::Bytes => dst.iter_mut().zip(&q).for_each(|(o, &v)| *o = (v as i32 + 128) as u8),
@@ -345,6 +357,9 @@ mod tests {
 
     #[test]
     fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
+        if !isa::vnni() {
+            return; // the kernel runs only with AVX-512 VNNI
+        }
         // m = 14 and 20 run Q4_0 over codes expanded once per matmul (from 12 rows on); the rest expand per pass.
         let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14), (65, 96, 20)];
         for (&(n, k, m), (dtype, codes)) in

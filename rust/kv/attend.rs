@@ -6,8 +6,10 @@
 use rayon::prelude::*;
 
 use super::elem::{hadamard, KvElem};
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::attn_f16::{attend_blocks, F16Heads};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::isa;
 use crate::kernels::simd::softmax_in_place;
 use crate::kernels::AttnShape;
 use crate::limits::ATTN_PARALLEL_MIN;
@@ -62,9 +64,9 @@ pub(super) fn attend<T: KvElem>(slot: SlotView<T>, ctx: Ctx, layout: &RowLayout,
     let SlotView { keys: ks, values: vs, k_meta: kms, v_meta: vms, base } = slot;
     let work: usize =
         layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    #[cfg(target_arch = "x86_64")]
     if let (true, Some(keys), Some(values)) =
-        (layout.extra.is_empty() && hd.is_multiple_of(64), T::as_f16(ks), T::as_f16(vs))
+        (isa::avx512() && layout.extra.is_empty() && hd.is_multiple_of(64), T::as_f16(ks), T::as_f16(vs))
     {
         let heads = F16Heads { keys, values, shape: ctx.shape, cap };
         attend_blocks(heads, q, out, work, |i| {

@@ -13,10 +13,11 @@
 //! Attention never materializes decoded rows: `dot` and `axpy` work on the stored codes.
 
 use half::f16;
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 use half::slice::HalfFloatSliceExt;
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::isa;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::simd::hsum;
 
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
@@ -112,7 +113,6 @@ impl KvElem for f16 {
     }
     /// With AVX-512 and head rows a multiple of 64 wide, each 64-wide piece of `out` stays in four registers while
     /// the rows stream past (the same fused multiply-adds in the same order as `axpy` row after row).
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
     fn weighted_sum(
         values: &[Self],
         meta: &[()],
@@ -121,15 +121,36 @@ impl KvElem for f16 {
         weights: &[f32],
         out: &mut [f32],
     ) {
-        use std::arch::x86_64::*;
-        const WIDE: usize = 4 * LANES;
-        if !w.is_multiple_of(WIDE) || out.len() != w {
-            return axpy_rows(values, meta, w, rows, weights, out);
+        #[cfg(target_arch = "x86_64")]
+        if isa::avx512() && w.is_multiple_of(F16_WIDE) && out.len() == w {
+            // SAFETY: the CPU has AVX-512 F (`isa::avx512`); the widths were just checked.
+            return unsafe { f16_weighted_sum_avx512(values, w, rows, weights, out) };
         }
+        axpy_rows(values, meta, w, rows, weights, out)
+    }
+}
+
+/// Columns of `out` an AVX-512 weighted sum keeps in registers: four vectors.
+#[cfg(target_arch = "x86_64")]
+const F16_WIDE: usize = 4 * LANES;
+
+/// The f16 `weighted_sum` of rows `F16_WIDE` columns at a time (`w` a multiple of it, `out.len() == w`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16_weighted_sum_avx512(
+    values: &[f16],
+    w: usize,
+    rows: impl Iterator<Item = usize> + Clone,
+    weights: &[f32],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    const WIDE: usize = F16_WIDE;
+    {
         for c in (0..w).step_by(WIDE) {
-            // SAFETY: avx512f is enabled at compile time; each row t is values[t*w..(t+1)*w] (bounds-checked
-            // below) and c + WIDE <= w, so every load and store stays inside its slice.
-            unsafe {
+            // Each row t is values[t*w..(t+1)*w] (bounds-checked below) and c + WIDE <= w, so every load and store
+            // stays inside its slice.
+            {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 for (&p, t) in weights.iter().zip(rows.clone()) {
                     let row = &values[t * w + c..t * w + c + WIDE];
@@ -150,14 +171,25 @@ impl KvElem for f16 {
 /// `Σ row_i · q_i`: 16 lanes of fused multiply-adds over f16 widened in registers, reduced at the end by
 /// `simd::hsum` (the same fixed order for every row, and the same float as `attn_f16`'s blocked scores, so a
 /// score never depends on which other rows are attended alongside or which path computed it).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 #[inline]
 fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { f16_dot_avx512(row, q) };
+    }
+    f16_dot_portable(row, q)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn f16_dot_avx512(row: &[f16], q: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     let n = row.len().min(q.len());
     let full = n - n % LANES;
-    // SAFETY: avx512f is enabled at compile time; every load reads LANES elements below `full` <= both lengths.
-    let head = unsafe {
+    // Every load reads LANES elements below `full` <= both lengths.
+    let head = {
         let mut acc = _mm512_setzero_ps();
         for c in (0..full).step_by(LANES) {
             let k = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
@@ -169,14 +201,25 @@ fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
 }
 
 /// `out += w · row`, 16 lanes at a time.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
 #[inline]
 fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa::avx512() {
+        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
+        return unsafe { f16_axpy_avx512(row, w, out) };
+    }
+    f16_axpy_portable(row, w, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn f16_axpy_avx512(row: &[f16], w: f32, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = row.len().min(out.len());
     let full = n - n % LANES;
-    // SAFETY: as in f16_dot; stores write LANES elements below `full` <= out.len().
-    unsafe {
+    // As in f16_dot; stores write LANES elements below `full` <= out.len().
+    {
         let wv = _mm512_set1_ps(w);
         for c in (0..full).step_by(LANES) {
             let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
@@ -187,9 +230,8 @@ fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
     out[full..n].iter_mut().zip(&row[full..n]).for_each(|(o, x)| *o += w * x.to_f32());
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 #[inline]
-fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
+fn f16_dot_portable(row: &[f16], q: &[f32]) -> f32 {
     let mut wide = [0f32; LANES];
     let mut acc = [0f32; LANES];
     let (rc, qc) = (row.chunks_exact(LANES), q.chunks_exact(LANES));
@@ -203,9 +245,8 @@ fn f16_dot(row: &[f16], q: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
 #[inline]
-fn f16_axpy(row: &[f16], w: f32, out: &mut [f32]) {
+fn f16_axpy_portable(row: &[f16], w: f32, out: &mut [f32]) {
     let mut wide = [0f32; LANES];
     let mut oc = out.chunks_exact_mut(LANES);
     let mut rc = row.chunks_exact(LANES);

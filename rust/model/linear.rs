@@ -9,7 +9,9 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::Result;
 use crate::kernels::dense::{DenseMatrix, F16Matrix};
-#[cfg(vnni)]
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::isa;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::vnni::{Codes, QMatrix};
 use crate::kernels::Kernel;
 
@@ -27,12 +29,14 @@ impl Linear {
             // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
             // with (from 5 rows on), which would let batch-mates change a request's output.
             GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
-            #[cfg(vnni)]
-            GgmlDType::Q4_0 => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
+            #[cfg(target_arch = "x86_64")]
+            GgmlDType::Q4_0 if isa::vnni() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
             // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
             // the shapes it does not (the default model's 704-wide ffn_down).
-            #[cfg(vnni)]
-            GgmlDType::Q8_0 if !candle_repacks_q8_0(&t)? => Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?)),
+            #[cfg(target_arch = "x86_64")]
+            GgmlDType::Q8_0 if isa::vnni() && !candle_repacks_q8_0(&t)? => {
+                Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?))
+            }
             _ => Self::Quantized(QMatMul::from_arc(t)?),
         })
     }
@@ -85,7 +89,7 @@ impl Linear {
 
 /// Whether candle 0.11 runs this Q8_0 matrix through its repacked AVX-512 VNNI tiles: output count a multiple of 16
 /// and input width a multiple of 256 (its `repack_x86::select`).
-#[cfg(vnni)]
+#[cfg(target_arch = "x86_64")]
 fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
     let (n, k) = t.shape().dims2()?;
     Ok(n % 16 == 0 && k % 256 == 0)

@@ -31,6 +31,8 @@ ENV_HELP = """environment variables:
                               generation ends with finish_reason "aborted" (default 600; 0: no limit)
   TINYLOOP_THREADS            compute threads (default: one per core); sets RAYON_NUM_THREADS for the engine
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
+  TINYLOOP_ISA                the engine's kernels at most at this level: avx512, avx2 or scalar (default: the
+                              best the CPU has; runtime.isa in /api/v0 responses reports the one in use)
 """
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from .. import __version__
-from .._core import Engine
+from .._core import Engine, isa
 from ..errors import APIError
 from .protocol import MAX_TOKENS_LIMIT
 from .runner import EngineRunner
@@ -55,7 +55,7 @@ class ServerState:
         }
 
     def runtime(self) -> dict[str, Any]:
-        return {"name": "tinyloop", "version": __version__, "commit": self.commit}
+        return {"name": "tinyloop", "version": __version__, "commit": self.commit, "isa": isa()}
 
     def models(self) -> dict[str, Any]:
         """The model list (`/v1/models`, `/api/v0/models`)."""

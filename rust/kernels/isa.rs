@@ -1,0 +1,91 @@
+//! The instruction-set level tinyloop's kernels run at, chosen once, when a kernel first asks: the best level the
+//! CPU has, or a lower one `TINYLOOP_ISA` names (`avx512`, `avx2`, `scalar`; a level the CPU lacks falls back to the
+//! best it has). Each kernel with an AVX-512 body checks `avx512()` per call and otherwise runs its portable body,
+//! which the compiler vectorizes for the build's baseline.
+
+use std::sync::OnceLock;
+
+/// Levels, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// The portable kernels only.
+    Scalar,
+    /// AVX2, FMA and F16C: the portable kernels, built for them where the baseline has them.
+    Avx2,
+    /// AVX-512 F, BW, VL and DQ (with AVX2, FMA, F16C): tinyloop's AVX-512 kernels (and, with VNNI, its Q4_0 / Q8_0 kernel).
+    Avx512,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().find(|l| l.name() == name)
+    }
+}
+
+/// The best level this CPU has, and whether it has AVX-512 VNNI.
+fn detected() -> (Isa, bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
+            return (Isa::Avx512, has!("avx512vnni"));
+        }
+        if avx2 {
+            return (Isa::Avx2, false);
+        }
+    }
+    (Isa::Scalar, false)
+}
+
+/// `TINYLOOP_ISA` as a level, if set: an error for a name that is not one.
+pub fn requested() -> Result<Option<Isa>, String> {
+    match std::env::var("TINYLOOP_ISA") {
+        Err(_) => Ok(None),
+        Ok(name) => Isa::parse(name.trim())
+            .map(Some)
+            .ok_or_else(|| format!("TINYLOOP_ISA={name:?} is not a level: one of \"avx512\", \"avx2\", \"scalar\"")),
+    }
+}
+
+fn chosen() -> (Isa, bool) {
+    static CHOSEN: OnceLock<(Isa, bool)> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let (best, vnni) = detected();
+        // An unknown name is reported where a model loads (`Engine::load`); the kernels use the best level.
+        let level = requested().ok().flatten().map_or(best, |r| r.min(best));
+        (level, vnni && level == Isa::Avx512)
+    })
+}
+
+/// The level the kernels run at.
+pub fn level() -> Isa {
+    chosen().0
+}
+
+/// The AVX-512 kernels run.
+#[inline]
+pub fn avx512() -> bool {
+    level() == Isa::Avx512
+}
+
+/// The AVX-512 VNNI Q4_0 / Q8_0 kernel runs.
+pub fn vnni() -> bool {
+    chosen().1
+}
+
+/// The level in use as people read it: `avx512+vnni`, `avx512`, `avx2` or `scalar`.
+pub fn describe() -> String {
+    match (level(), vnni()) {
+        (Isa::Avx512, true) => "avx512+vnni".to_string(),
+        (l, _) => l.name().to_string(),
+    }
+}

@@ -1,0 +1,59 @@
+"""The kernels' instruction-set level (`rust/kernels/isa.rs`): `TINYLOOP_ISA` lowers it, a bad value is refused
+where a model loads, and every level this CPU has computes the same model within the kernels' tolerance. Each
+level runs in its own process: the level is chosen once per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+LEVELS = ["scalar", "avx2", "avx512"]
+SCORE = """
+import json, sys, tinyloop
+from tinyloop import SamplingParams
+engine = tinyloop.Engine(sys.argv[1])
+ids = engine.encode("Once upon a time there was a little dog who ran to the park")
+greedy = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=8), loops=3).tokens
+print(json.dumps({"isa": tinyloop._core.isa(), "scores": engine.score(ids, [1, 3]), "greedy": greedy}))
+"""
+
+
+def _run(model, level: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TINYLOOP_ISA"} | ({"TINYLOOP_ISA": level} if level else {})
+    out = subprocess.run(
+        [sys.executable, "-c", SCORE, str(model)], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def _rank(isa: str) -> int:
+    return LEVELS.index(isa.split("+")[0])
+
+
+def test_each_level_computes_the_same_model(tiny):
+    best = _run(tiny.path, None)
+    seen = set()
+    for level in LEVELS:
+        got = _run(tiny.path, level)
+        # A level the CPU lacks falls back to the best it has; never above what was asked.
+        assert _rank(got["isa"]) == min(LEVELS.index(level), _rank(best["isa"])), (level, got["isa"])
+        seen.add(got["isa"])
+        for (lp, argmax), (lp_best, argmax_best) in zip(got["scores"], best["scores"], strict=True):
+            assert lp == pytest.approx(lp_best, abs=2e-3)
+            same = sum(a == b for a, b in zip(argmax, argmax_best, strict=True))
+            assert same >= len(argmax) - 1, (level, argmax, argmax_best)
+    assert "scalar" in seen and len(seen) == len({min(_rank(best["isa"]), i) for i in range(3)})
+
+
+def test_an_unknown_level_is_refused_where_a_model_loads(tiny):
+    env = os.environ | {"TINYLOOP_ISA": "avx9000"}
+    code = (
+        "import sys, tinyloop\n"
+        "try:\n    tinyloop.Engine(sys.argv[1])\nexcept tinyloop.InvalidRequestError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tiny.path)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "TINYLOOP_ISA" in out.stdout and "avx9000" in out.stdout, out.stdout + out.stderr
