@@ -1,11 +1,13 @@
 """The kernels' instruction-set level (`rust/kernels/isa.rs`): `TINYLOOP_ISA` lowers it, a bad value is refused
-where a model loads, and every level this CPU has computes the same model within the kernels' tolerance. Each
-level runs in its own process: the level is chosen once per process."""
+where a model loads, every level this CPU has computes the same model within the kernels' tolerance, and the build
+runs on a CPU without AVX-512 (under qemu). Each level runs in its own process: the level is chosen once per
+process."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,3 +59,24 @@ def test_an_unknown_level_is_refused_where_a_model_loads(tiny):
     )
     out = subprocess.run([sys.executable, "-c", code, str(tiny.path)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "TINYLOOP_ISA" in out.stdout and "avx9000" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs Debian's qemu-user (.ci/run installs it)")
+def test_the_extension_runs_on_a_cpu_without_avx512(tiny):
+    """The extension as built (`pip install .`) under `qemu-x86_64 -cpu Haswell`, a CPU with AVX2, FMA and F16C and no
+    AVX-512: it picks the avx2 level and computes the same model as on this machine."""
+    native = _run(tiny.path, None)
+    env = {k: v for k, v in os.environ.items() if k != "TINYLOOP_ISA"}
+    out = subprocess.run(
+        ["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", SCORE, str(tiny.path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    haswell = json.loads(out.stdout)
+    assert haswell["isa"] == "avx2"
+    for (lp, argmax), (lp_native, argmax_native) in zip(haswell["scores"], native["scores"], strict=True):
+        assert lp == pytest.approx(lp_native, abs=2e-3)
+        assert sum(a == b for a, b in zip(argmax, argmax_native, strict=True)) >= len(argmax) - 1
