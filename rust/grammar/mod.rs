@@ -75,10 +75,6 @@ impl Grammars {
         self.workers = OnceLock::new();
     }
 
-    pub fn threads(&self) -> usize {
-        self.threads
-    }
-
     fn factory(&self) -> Result<&ParserFactory> {
         let built = self.factory.get_or_init(|| {
             let env: TokEnv = Arc::new(vocab::Vocab::new(self.tokenizer.clone(), self.vocab_size));
