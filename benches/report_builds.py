@@ -3,15 +3,14 @@ one, best of the alternating rounds, and their ratio."""
 
 from __future__ import annotations
 
-import json
 import sys
+
+from reporting import header, load
 
 
 def main(path: str) -> None:
-    data = json.load(open(path))
-    print(f"Machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}\n")
-    print("| loops | kernel level | installed build tok/s | other build tok/s | installed ÷ other |")
-    print("|---|---|---|---|---|")
+    data = load(path)
+    header("loops", "kernel level", "installed build tok/s", "other build tok/s", "installed ÷ other")
     for b in data["benchmarks"]:
         e = b["extra_info"]
         ratio = e["this_tok_s"] / e["other_tok_s"]

@@ -3,12 +3,13 @@ each kind of sampling (best round), greedy decoding's in the same rounds (best),
 
 from __future__ import annotations
 
-import json
 import sys
+
+from reporting import load
 
 
 def main(path: str) -> None:
-    data = json.load(open(path))
+    data = load(path)
     rate: dict[tuple[str, int, int], float] = {}
     greedy: dict[tuple[str, int, int], float] = {}
     for b in data["benchmarks"]:
@@ -17,7 +18,6 @@ def main(path: str) -> None:
         rate[key] = e["tokens"] / b["stats"]["min"]
         greedy[key] = e["tokens"] / e["greedy_min_s"]
     loops = sorted({k[2] for k in rate})
-    print(f"Machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}\n")
     for streams in sorted({k[1] for k in rate}):
         label = "single stream" if streams == 1 else f"{streams} streams, aggregate"
         print(f"| sampling ({label}) | " + " | ".join(f"loops {n}: tok/s, greedy tok/s, ratio" for n in loops) + " |")

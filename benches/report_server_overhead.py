@@ -6,15 +6,14 @@
 
 from __future__ import annotations
 
-import json
 import sys
+
+from reporting import header, load
 
 
 def main(path: str) -> None:
-    data = json.load(open(path))
-    print(f"Machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}\n")
-    print("| sampling | loops | server + openai SDK tok/s | `Engine.stream` tok/s | server / engine |")
-    print("|---|---|---|---|---|")
+    data = load(path)
+    header("sampling", "loops", "server + openai SDK tok/s", "`Engine.stream` tok/s", "server / engine")
     for b in data["benchmarks"]:
         e = b["extra_info"]
         server, engine = e["tokens"] / b["stats"]["min"], e["tokens"] / e["engine_min_s"]

@@ -5,18 +5,24 @@ computing masks during the forward pass gains."""
 
 from __future__ import annotations
 
-import json
 import sys
+
+from reporting import header, load
 
 
 def main(path: str) -> None:
-    data = json.load(open(path))
-    print(f"Machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}\n")
-    print(
-        "| schema | sampling | streams | tokens per round | with schema tok/s | without tok/s | ratio "
-        "| masks inline tok/s | ahead ÷ inline |"
+    data = load(path)
+    header(
+        "schema",
+        "sampling",
+        "streams",
+        "tokens per round",
+        "with schema tok/s",
+        "without tok/s",
+        "ratio",
+        "masks inline tok/s",
+        "ahead ÷ inline",
     )
-    print("|---|---|---|---|---|---|---|---|---|")
     for b in data["benchmarks"]:
         e = b["extra_info"]
         ratio = e["constrained_tok_s"] / e["plain_tok_s"]
