@@ -166,23 +166,21 @@ unsafe fn panel_dots_avx512<W: Dense, const R: usize>(x: &[f32], k: usize, i0: u
     use std::arch::x86_64::*;
     assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
     // The assert keeps every read inside x and w.
-    {
-        let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        for c in 0..k {
-            let wc = wp.add(c * PANEL);
-            let wv = [W::load16(wc), W::load16(wc.add(16)), W::load16(wc.add(32)), W::load16(wc.add(48))];
-            for (a, acc_a) in acc.iter_mut().enumerate() {
-                let xa = _mm512_set1_ps(*xp.add(a * k + c));
-                for (v, wt) in acc_a.iter_mut().zip(&wv) {
-                    *v = _mm512_fmadd_ps(xa, *wt, *v);
-                }
+    let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    for c in 0..k {
+        let wc = wp.add(c * PANEL);
+        let wv = [W::load16(wc), W::load16(wc.add(16)), W::load16(wc.add(32)), W::load16(wc.add(48))];
+        for (a, acc_a) in acc.iter_mut().enumerate() {
+            let xa = _mm512_set1_ps(*xp.add(a * k + c));
+            for (v, wt) in acc_a.iter_mut().zip(&wv) {
+                *v = _mm512_fmadd_ps(xa, *wt, *v);
             }
         }
-        for (dst, acc_a) in out.iter_mut().zip(&acc) {
-            for (t, v) in acc_a.iter().enumerate() {
-                _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
-            }
+    }
+    for (dst, acc_a) in out.iter_mut().zip(&acc) {
+        for (t, v) in acc_a.iter().enumerate() {
+            _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
         }
     }
 }

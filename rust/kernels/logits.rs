@@ -47,19 +47,17 @@ pub fn exp_weights(x: &[f32], max: f32, inv_t: f32, out: &mut Vec<f32>, blocks: 
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_block_avx512(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
     use std::arch::x86_64::*;
-    {
-        let (m, s, lowest) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t), _mm512_set1_ps(f32::MIN));
-        let mut acc = _mm512_setzero_ps();
-        for (xc, oc) in x.chunks(16).zip(out.chunks_mut(16)) {
-            let load: __mmask16 = if xc.len() == 16 { !0 } else { (1u16 << xc.len()) - 1 };
-            let v = _mm512_maskz_loadu_ps(load, xc.as_ptr());
-            let finite = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, lowest);
-            let e = _mm512_maskz_mov_ps(finite, super::simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), s)));
-            _mm512_mask_storeu_ps(oc.as_mut_ptr(), load, e);
-            acc = _mm512_add_ps(acc, e);
-        }
-        _mm512_reduce_add_ps(acc)
+    let (m, s, lowest) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t), _mm512_set1_ps(f32::MIN));
+    let mut acc = _mm512_setzero_ps();
+    for (xc, oc) in x.chunks(16).zip(out.chunks_mut(16)) {
+        let load: __mmask16 = if xc.len() == 16 { !0 } else { (1u16 << xc.len()) - 1 };
+        let v = _mm512_maskz_loadu_ps(load, xc.as_ptr());
+        let finite = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, lowest);
+        let e = _mm512_maskz_mov_ps(finite, super::simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), s)));
+        _mm512_mask_storeu_ps(oc.as_mut_ptr(), load, e);
+        acc = _mm512_add_ps(acc, e);
     }
+    _mm512_reduce_add_ps(acc)
 }
 
 fn exp_block(x: &[f32], max: f32, inv_t: f32, out: &mut [f32]) -> f32 {
@@ -86,22 +84,20 @@ pub fn exp_sum_below(x: &[f32], max: f32, inv_t: f32, below: f32) -> f64 {
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_sum_below_block_avx512(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
     use std::arch::x86_64::*;
-    {
-        let (m, s) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t));
-        let (lowest, limit) = (_mm512_set1_ps(f32::MIN), _mm512_set1_ps(below));
-        let mut acc = _mm512_setzero_ps();
-        for c in x.chunks(16) {
-            let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
-            let v = _mm512_maskz_loadu_ps(load, c.as_ptr());
-            let keep =
-                _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, lowest), v, limit);
-            if keep != 0 {
-                let e = super::simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), s));
-                acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(keep, e));
-            }
+    let (m, s) = (_mm512_set1_ps(max), _mm512_set1_ps(inv_t));
+    let (lowest, limit) = (_mm512_set1_ps(f32::MIN), _mm512_set1_ps(below));
+    let mut acc = _mm512_setzero_ps();
+    for c in x.chunks(16) {
+        let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+        let v = _mm512_maskz_loadu_ps(load, c.as_ptr());
+        let keep =
+            _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, lowest), v, limit);
+        if keep != 0 {
+            let e = super::simd::exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), s));
+            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(keep, e));
         }
-        _mm512_reduce_add_ps(acc)
     }
+    _mm512_reduce_add_ps(acc)
 }
 
 fn exp_sum_below_block(x: &[f32], max: f32, inv_t: f32, below: f32) -> f32 {
@@ -191,22 +187,20 @@ pub fn ids_at_least(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
 #[target_feature(enable = "avx512f")]
 unsafe fn ids_at_least_avx512(x: &[f32], at_least: f32, out: &mut Vec<u32>) {
     use std::arch::x86_64::*;
-    {
-        out.reserve(x.len());
-        let (limit, lane) =
-            (_mm512_set1_ps(at_least), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        let mut n = 0;
-        for (i, c) in x.chunks(16).enumerate() {
-            let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
-            let hits = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, _mm512_maskz_loadu_ps(load, c.as_ptr()), limit);
-            if hits != 0 {
-                let idx = _mm512_add_epi32(lane, _mm512_set1_epi32((i * 16) as i32));
-                _mm512_mask_compressstoreu_epi32(out.as_mut_ptr().add(n).cast(), hits, idx);
-                n += hits.count_ones() as usize;
-            }
+    out.reserve(x.len());
+    let (limit, lane) =
+        (_mm512_set1_ps(at_least), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    let mut n = 0;
+    for (i, c) in x.chunks(16).enumerate() {
+        let load: __mmask16 = if c.len() == 16 { !0 } else { (1u16 << c.len()) - 1 };
+        let hits = _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, _mm512_maskz_loadu_ps(load, c.as_ptr()), limit);
+        if hits != 0 {
+            let idx = _mm512_add_epi32(lane, _mm512_set1_epi32((i * 16) as i32));
+            _mm512_mask_compressstoreu_epi32(out.as_mut_ptr().add(n).cast(), hits, idx);
+            n += hits.count_ones() as usize;
         }
-        out.set_len(n);
     }
+    out.set_len(n);
 }
 
 /// `Σ w[j]` over the ids ahead of `id` in descending order of `x` (ties: lower id first): x[j] > x[id], or
@@ -233,28 +227,24 @@ fn mass_where<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
 #[target_feature(enable = "avx512f")]
 unsafe fn mass_where_avx512<const OR_EQUAL: bool>(x: &[f32], w: &[f32], pivot: f32) -> f64 {
     use std::arch::x86_64::*;
-    {
-        let p = _mm512_set1_ps(pivot);
-        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
-        for (xc, wc) in x.chunks(16).zip(w.chunks(16)) {
-            let load: __mmask16 = if xc.len() == 16 { !0 } else { (1u16 << xc.len()) - 1 };
-            let v = _mm512_maskz_loadu_ps(load, xc.as_ptr());
-            let hit = if OR_EQUAL {
-                _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, p)
-            } else {
-                _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(load, v, p)
-            };
-            if hit != 0 {
-                let wv = _mm512_maskz_loadu_ps(hit, wc.as_ptr());
-                lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(wv)));
-                hi = _mm512_add_pd(
-                    hi,
-                    _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(wv)))),
-                );
-            }
+    let p = _mm512_set1_ps(pivot);
+    let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+    for (xc, wc) in x.chunks(16).zip(w.chunks(16)) {
+        let load: __mmask16 = if xc.len() == 16 { !0 } else { (1u16 << xc.len()) - 1 };
+        let v = _mm512_maskz_loadu_ps(load, xc.as_ptr());
+        let hit = if OR_EQUAL {
+            _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(load, v, p)
+        } else {
+            _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(load, v, p)
+        };
+        if hit != 0 {
+            let wv = _mm512_maskz_loadu_ps(hit, wc.as_ptr());
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(wv)));
+            hi =
+                _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(wv)))));
         }
-        _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
     }
+    _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
 }
 
 /// `bucket[j] = min(255, ⌊(hi − x[j]) · scale⌋)`: the histogram bin of each logit (a monotone function of it).

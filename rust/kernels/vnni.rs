@@ -306,20 +306,18 @@ impl Kernel for QMatrix {
 unsafe fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
     assert_eq!(xb.len(), QK);
     // xb holds 32 floats and q 32 bytes (checked above).
-    {
-        let (a, b) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        let d = amax / 127.0;
-        let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-        let round = |v| {
-            _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm512_mul_ps(v, id),
-            ))
-        };
-        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, round(a));
-        _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, round(b));
-        d
-    }
+    let (a, b) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    let d = amax / 127.0;
+    let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let round = |v| {
+        _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(v, id),
+        ))
+    };
+    _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, round(a));
+    _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, round(b));
+    d
 }
 
 impl Q8Rows {

@@ -146,24 +146,20 @@ unsafe fn f16_weighted_sum_avx512(
 ) {
     use std::arch::x86_64::*;
     const WIDE: usize = F16_WIDE;
-    {
-        for c in (0..w).step_by(WIDE) {
-            // Each row t is values[t*w..(t+1)*w] (bounds-checked below) and c + WIDE <= w, so every load and store
-            // stays inside its slice.
-            {
-                let mut acc = [_mm512_setzero_ps(); 4];
-                for (&p, t) in weights.iter().zip(rows.clone()) {
-                    let row = &values[t * w + c..t * w + c + WIDE];
-                    let pv = _mm512_set1_ps(p);
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(j * LANES) as *const __m256i));
-                        *a = _mm512_fmadd_ps(pv, v, *a);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(out.as_mut_ptr().add(c + j * LANES), *a);
-                }
+    for c in (0..w).step_by(WIDE) {
+        // Each row t is values[t*w..(t+1)*w] (bounds-checked below) and c + WIDE <= w, so every load and store
+        // stays inside its slice.
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (&p, t) in weights.iter().zip(rows.clone()) {
+            let row = &values[t * w + c..t * w + c + WIDE];
+            let pv = _mm512_set1_ps(p);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(j * LANES) as *const __m256i));
+                *a = _mm512_fmadd_ps(pv, v, *a);
             }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(c + j * LANES), *a);
         }
     }
 }
@@ -219,13 +215,11 @@ unsafe fn f16_axpy_avx512(row: &[f16], w: f32, out: &mut [f32]) {
     let n = row.len().min(out.len());
     let full = n - n % LANES;
     // As in f16_dot; stores write LANES elements below `full` <= out.len().
-    {
-        let wv = _mm512_set1_ps(w);
-        for c in (0..full).step_by(LANES) {
-            let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
-            let o = out.as_mut_ptr().add(c);
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, v, _mm512_loadu_ps(o)));
-        }
+    let wv = _mm512_set1_ps(w);
+    for c in (0..full).step_by(LANES) {
+        let v = _mm512_cvtph_ps(_mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i));
+        let o = out.as_mut_ptr().add(c);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, v, _mm512_loadu_ps(o)));
     }
     out[full..n].iter_mut().zip(&row[full..n]).for_each(|(o, x)| *o += w * x.to_f32());
 }
