@@ -36,7 +36,13 @@ def _rank(isa: str) -> int:
     return LEVELS.index(isa.split("+")[0])
 
 
-def test_each_level_computes_the_same_model(tiny):
+# F32 runs the dense kernel; Q4_0 and Q8_0 the block-quantized one (AVX-512 VNNI, AVX2 or candle's below those).
+WEIGHTS = ["F32", "Q4_0", "Q8_0"]
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_each_level_computes_the_same_model(model_factory, weights):
+    tiny = model_factory(weight_type=weights)
     best = _run(tiny.path, None)
     seen = set()
     for level in LEVELS:
@@ -62,9 +68,11 @@ def test_an_unknown_level_is_refused_where_a_model_loads(tiny):
 
 
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs Debian's qemu-user (.ci/run installs it)")
-def test_the_extension_runs_on_a_cpu_without_avx512(tiny):
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_the_extension_runs_on_a_cpu_without_avx512(model_factory, weights):
     """The extension as built (`pip install .`) under `qemu-x86_64 -cpu Haswell`, a CPU with AVX2, FMA and F16C and no
     AVX-512: it picks the avx2 level and computes the same model as on this machine."""
+    tiny = model_factory(weight_type=weights)
     native = _run(tiny.path, None)
     env = {k: v for k, v in os.environ.items() if k != "TINYLOOP_ISA"}
     out = subprocess.run(

@@ -265,15 +265,17 @@ def test_cli_end_to_end(e2e_model, tmp_path, monkeypatch, case):
     tokens = [464, 339, 286, 318, 257, 13, 198, N_VOCAB - 1, 1, 40, 262, 262]
     for loops in (1, 3):
         have = engine_logits(out, tokens, loops)
-        errors = []
+        wants = []
         for act in acts:
             monkeypatch.setattr(reference, "q8_0_roundtrip", act)
-            want = reference.forward(E2E, weights, tokens, loops, kv_dtype=np.float16, act_q8=True)
-            errors.append(np.max(np.abs(have - want)) / np.max(np.abs(want)))
+            wants.append(reference.forward(E2E, weights, tokens, loops, kv_dtype=np.float16, act_q8=True))
+        errors = [np.max(np.abs(have - want)) / np.max(np.abs(want)) for want in wants]
         assert min(errors) <= tol, errors
-    # The check has teeth: the unquantized model is outside the tolerance (Q8_0: 2.7e-2, the others > 0.2).
+    # The check has teeth: the unquantized model's logits (loops 3) fail it by a margin (Q8_0: 1.9e-2 against
+    # Q8_0 activations, 2.7e-2 against Q8_K ones; the others > 0.2).
     exact = reference.forward(E2E, random_weights(E2E, seed=6), tokens, 3)
-    assert np.max(np.abs(have - exact)) > 2 * tol * np.max(np.abs(exact))
+    misses = [np.max(np.abs(exact - want)) / np.max(np.abs(want)) for want in wants]
+    assert min(misses) > 1.5 * tol, misses
 
 
 def test_q2_k_falls_back_for_short_rows(tmp_path, capsys):

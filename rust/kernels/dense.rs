@@ -11,8 +11,7 @@ use candle_core::quantized::QTensor;
 use candle_core::Device;
 use half::f16;
 
-#[cfg(target_arch = "x86_64")]
-use super::isa;
+use super::isa::{self, Isa};
 use super::panels::{by_rows, panels, Block, PanelKernel, MR, PANEL};
 use super::Kernel;
 use crate::error::Result;
@@ -27,6 +26,12 @@ pub trait Dense: Copy + Send + Sync + 'static {
     /// `p` must point to 16 readable elements; the CPU must have AVX-512 F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// Eight elements at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must point to 8 readable elements; the CPU must have AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl Dense for f16 {
@@ -41,6 +46,13 @@ impl Dense for f16 {
         use std::arch::x86_64::*;
         _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
 }
 
 impl Dense for f32 {
@@ -53,6 +65,12 @@ impl Dense for f32 {
     #[inline]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
     }
 }
 
@@ -97,12 +115,20 @@ impl<W: Dense> DenseMatrix<W> {
     fn panel(&self, p: usize) -> &[W] {
         &self.w[p * self.k * PANEL..(p + 1) * self.k * PANEL]
     }
+
+    /// `Kernel::matmul` with the bodies of `level`, one this CPU runs.
+    fn matmul_at(&self, level: Isa, x: &[f32], m: usize, out: &mut [f32]) {
+        let k = self.k;
+        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
+        panels(&DenseRun { mat: self, x, level }, m, self.n, m * self.n * k, out);
+    }
 }
 
 /// One matmul's view for `panels`: the weight and the input rows.
 struct DenseRun<'a, W: Dense> {
     mat: &'a DenseMatrix<W>,
     x: &'a [f32],
+    level: Isa,
 }
 
 impl<W: Dense> PanelKernel for DenseRun<'_, W> {
@@ -111,7 +137,7 @@ impl<W: Dense> PanelKernel for DenseRun<'_, W> {
     type Scratch = ();
 
     fn block(&self, p: usize, _: &(), i0: usize, rows: usize, out: &mut Block) {
-        by_rows!(rows, panel_dots::<W>(self.x, self.mat.k, i0, self.mat.panel(p), out))
+        by_rows!(rows, panel_dots::<W>(self.level, self.x, self.mat.k, i0, self.mat.panel(p), out))
     }
 }
 
@@ -132,20 +158,22 @@ impl<W: Dense> Kernel for DenseMatrix<W> {
     }
 
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let k = self.k;
-        assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        panels(&DenseRun { mat: self, x }, m, self.n, m * self.n * k, out);
+        self.matmul_at(isa::level(), x, m, out);
     }
 }
 
 /// `out[a][o] = Σ_c x[i0 + a][c] · w[c][o]` for `R` input rows and one panel `w (k, 64)`, each output one lane of
 /// an accumulator that starts at 0 and takes one fused multiply-add per input position, in order — the same
 /// arithmetic whatever `R` or the panel's neighbours.
-fn panel_dots<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+/// `level` is one this CPU runs (`isa::level` or lower).
+fn panel_dots<W: Dense, const R: usize>(level: Isa, x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
     #[cfg(target_arch = "x86_64")]
-    if isa::avx512() {
-        // SAFETY: the CPU has AVX-512 F (`isa::avx512`).
-        return unsafe { panel_dots_avx512::<W, R>(x, k, i0, w, out) };
+    match level {
+        // SAFETY: the CPU has AVX-512 F.
+        Isa::Avx512 => return unsafe { panel_dots_avx512::<W, R>(x, k, i0, w, out) },
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        Isa::Avx2 => return unsafe { panel_dots_avx2::<W, R>(x, k, i0, w, out) },
+        Isa::Scalar => {}
     }
     for (a, dst) in out.iter_mut().take(R).enumerate() {
         let xr = &x[(i0 + a) * k..(i0 + a + 1) * k];
@@ -181,6 +209,97 @@ unsafe fn panel_dots_avx512<W: Dense, const R: usize>(x: &[f32], k: usize, i0: u
     for (dst, acc_a) in out.iter_mut().zip(&acc) {
         for (t, v) in acc_a.iter().enumerate() {
             _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
+        }
+    }
+}
+
+/// `panel_dots` in AVX2 vectors of 8 lanes, the same arithmetic. One row's accumulators for a whole panel take 8
+/// of the 16 registers, so the first row runs in one pass (the panel streams from memory, and a pass over half
+/// of each cache line's neighbours wastes the rest); the others, with the panel in cache, run in pairs, each half
+/// panel a pass of its own — three rows, or two over a whole panel, spill.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_dots_avx2<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+    assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
+    // The first row alone: it brings the panel into cache in one pass.
+    rows_avx2::<W, 1, 8>(x, k, i0, w, out, 0);
+    let mut a = 1;
+    while a < R {
+        let rows = &mut out[a..];
+        if R - a == 1 {
+            rows_avx2::<W, 1, 8>(x, k, i0 + a, w, rows, 0);
+        } else {
+            rows_avx2::<W, 2, 4>(x, k, i0 + a, w, rows, 0);
+            rows_avx2::<W, 2, 4>(x, k, i0 + a, w, rows, 32);
+        }
+        a += 2.min(R - a);
+    }
+}
+
+/// Outputs `o0..o0 + 8V` of `N` rows for `panel_dots_avx2`, which checked the bounds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<W: Dense, const N: usize, const V: usize>(
+    x: &[f32],
+    k: usize,
+    i0: usize,
+    w: &[W],
+    out: &mut [[f32; PANEL]],
+    o0: usize,
+) {
+    use std::arch::x86_64::*;
+    let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr().add(o0));
+    let mut acc = [[_mm256_setzero_ps(); V]; N];
+    for c in 0..k {
+        let wc = wp.add(c * PANEL);
+        let xs: [__m256; N] = std::array::from_fn(|a| _mm256_set1_ps(*xp.add(a * k + c)));
+        for t in 0..V {
+            let wt = W::load8(wc.add(8 * t));
+            for (acc_a, xa) in acc.iter_mut().zip(&xs) {
+                acc_a[t] = _mm256_fmadd_ps(*xa, wt, acc_a[t]);
+            }
+        }
+    }
+    for (dst, acc_a) in out.iter_mut().zip(&acc) {
+        for (t, v) in acc_a.iter().enumerate() {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(o0 + 8 * t), *v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every level this CPU runs, lowest first.
+    fn levels() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|&l| l <= isa::detected_level()).collect()
+    }
+
+    #[test]
+    fn every_level_gives_the_same_bits() {
+        // m = 1..=8 covers every row count a kernel call takes and the AVX2 body's groups of three.
+        for &(n, k, m) in &[(70, 48, 8), (64, 704, 5), (130, 33, 7)] {
+            let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+            let mats = (
+                DenseMatrix::pack(&w, n, k),
+                DenseMatrix::pack(&w.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), n, k),
+            );
+            let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
+            let run = |level: Isa, wide: bool| {
+                let mut out = vec![0f32; m * n];
+                if wide {
+                    mats.1.matmul_at(level, &x, m, &mut out)
+                } else {
+                    mats.0.matmul_at(level, &x, m, &mut out)
+                }
+                out
+            };
+            let want = run(Isa::Scalar, false);
+            for level in levels() {
+                assert_eq!(run(level, false), want, "f16 at {level:?} ({n}, {k}, {m})");
+                assert_eq!(run(level, true), want, "f32 at {level:?} ({n}, {k}, {m})");
+            }
         }
     }
 }

@@ -46,6 +46,11 @@ fn detected() -> (Isa, bool) {
     (Isa::Scalar, false)
 }
 
+/// The best level this CPU has, whatever `TINYLOOP_ISA` asks (for tests that run every level side by side).
+pub fn detected_level() -> Isa {
+    detected().0
+}
+
 /// `TINYLOOP_ISA` as a level, if set: an error for a name that is not one.
 pub fn requested() -> Result<Option<Isa>, String> {
     match std::env::var("TINYLOOP_ISA") {

@@ -1,17 +1,17 @@
-//! tinyloop's own compute kernels: the panel-packed matmuls (`dense` for F16/F32 weights, `vnni` for Q4_0/Q8_0 where
-//! the CPU has AVX-512 VNNI) over the shared driver in `panels`, blocked f16 attention (`attn_f16`), and 16-lane vector
-//! math (`simd`); `isa` picks, when a kernel first asks, whether their AVX-512 bodies run. The items every kernel
+//! tinyloop's own compute kernels: the panel-packed matmuls (`dense` for F16/F32 weights, `blockq` for Q4_0/Q8_0 with
+//! AVX-512 VNNI or AVX2) over the shared driver in `panels`, blocked f16 attention (`attn_f16`), and 16-lane vector
+//! math (`simd`); `isa` picks, when a kernel first asks, which of their bodies run. The items every kernel
 //! shares are defined here; this module imports none of its children.
 
 #[cfg(target_arch = "x86_64")]
 pub mod attn_f16;
+#[cfg(target_arch = "x86_64")]
+pub mod blockq;
 pub mod dense;
 pub mod isa;
 pub mod logits;
 pub(crate) mod panels;
 pub mod simd;
-#[cfg(target_arch = "x86_64")]
-pub mod vnni;
 
 /// A weight held by one of tinyloop's own kernels: `(rows, width)`.
 pub trait Kernel: Send + Sync {

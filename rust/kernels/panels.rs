@@ -1,4 +1,4 @@
-//! The driver shared by tinyloop's own matmul kernels (F16/F32 in `dense.rs`, Q4_0/Q8_0 in `vnni.rs`).
+//! The driver shared by tinyloop's own matmul kernels (F16/F32 in `dense.rs`, Q4_0/Q8_0 in `blockq`).
 //!
 //! Weights are repacked at load into *panels* of `PANEL` (64) output rows, interleaved along the input dimension so
 //! that one step of a kernel reads the 64 outputs' weights for the same input position(s) as four 16-lane vectors.

@@ -1,6 +1,6 @@
-//! Linear layers. Quantized weights go through candle's `QMatMul` (its AVX-512 VNNI kernels where it has them);
-//! F16 and F32 weights, and Q4_0 / Q8_0 where the CPU has AVX-512 VNNI, through tinyloop's own kernels
-//! (`kernels::dense`, `kernels::vnni`), whose outputs do not depend on how many rows are multiplied together.
+//! Linear layers. F16 and F32 weights, and Q4_0 / Q8_0 where the CPU has AVX2, go through tinyloop's own kernels
+//! (`kernels::dense`, `kernels::blockq`), whose outputs do not depend on how many rows are multiplied together;
+//! other quantized weights through candle's `QMatMul`.
 
 use std::sync::Arc;
 
@@ -8,17 +8,17 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::Result;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::blockq::{Body, Codes, QMatrix};
 use crate::kernels::dense::{DenseMatrix, F16Matrix};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::isa;
-#[cfg(target_arch = "x86_64")]
-use crate::kernels::vnni::{Codes, QMatrix};
 use crate::kernels::Kernel;
 
 #[derive(Clone)]
 pub enum Linear {
     Quantized(QMatMul),
-    /// F16 and F32 here; Q4_0 and Q8_0 through the VNNI kernel (`kernels::vnni`), where the CPU has it.
+    /// F16 and F32; Q4_0 and Q8_0 through `kernels::blockq`, where the CPU runs one of its bodies.
     Own(Arc<dyn Kernel>),
 }
 
@@ -30,11 +30,12 @@ impl Linear {
             // with (from 5 rows on), which would let batch-mates change a request's output.
             GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
             #[cfg(target_arch = "x86_64")]
-            GgmlDType::Q4_0 if isa::vnni() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
-            // Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours); ours takes
-            // the shapes it does not (the default model's 704-wide ffn_down).
+            GgmlDType::Q4_0 if Body::best().is_some() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
+            // With VNNI, Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours);
+            // ours takes the shapes it does not (the default model's 704-wide ffn_down), and every shape below
+            // AVX-512 (candle would still pick its AVX-512 code there, past a lower `TINYLOOP_ISA`).
             #[cfg(target_arch = "x86_64")]
-            GgmlDType::Q8_0 if isa::vnni() && !candle_repacks_q8_0(&t)? => {
+            GgmlDType::Q8_0 if Body::best().is_some() && !(isa::vnni() && candle_repacks_q8_0(&t)?) => {
                 Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?))
             }
             _ => Self::Quantized(QMatMul::from_arc(t)?),

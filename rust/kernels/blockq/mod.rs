@@ -1,32 +1,56 @@
-//! Q4_0 and Q8_0 weights × Q8_0-quantized inputs with AVX-512 VNNI, for any number of input rows (decode,
-//! verification, batched decode, prefill). candle runs Q4_0 (and Q8_0 rows whose width is not a multiple of 256)
-//! through a generic per-block dot product; llama.cpp repacks and runs tiled kernels, several times faster at
-//! prefill. This is tinyloop's own:
+//! Q4_0 and Q8_0 weights × Q8_0-quantized inputs, for any number of input rows (decode, verification, batched
+//! decode, prefill). candle runs Q4_0 (and Q8_0 rows whose width is not a multiple of 256) through a generic
+//! per-block dot product; llama.cpp repacks and runs tiled kernels, several times faster at prefill. This is
+//! tinyloop's own:
 //!
 //! - inputs are quantized per 32-value block exactly as ggml's x86 code does (`d = amax / 127` stored as f16,
 //!   `x / d` rounded to nearest, ties to even), so the arithmetic is the one llama.cpp runs on the same weights;
 //! - weights are repacked at load into panels of 64 rows (`kernels::panels`): for each block, each group of 4 input
 //!   positions holds the 64 rows' 4 codes side by side — one 64-byte vector per 16 rows — with the rows' f32
 //!   scales next to them;
-//! - `vpdpbusd` multiplies 16 rows' 4 codes by 4 input bytes broadcast to every lane, so each lane collects one
-//!   output's exact integer block sum (Q4_0: unsigned nibbles × signed inputs, less 8 · Σx; Q8_0: inputs + 128 ×
-//!   signed codes, less 128 · Σw, precomputed per row and block); the block sum then takes one fused multiply-add
+//! - a body for the CPU's level (`Body`: `avx512` with VNNI, `avx2`) multiplies a vector of rows' 4 codes by 4 input
+//!   bytes broadcast to every lane, so each lane collects one output's exact integer block sum (Q4_0: unsigned
+//!   nibbles × signed inputs, less 8 · Σx; Q8_0: codes × inputs); the block sum then takes one fused multiply-add
 //!   with `d_x · d_w` into the output's f32 lane. No horizontal sums; an output never depends on how many rows are
-//!   multiplied together, or which: batched == solo, bit for bit.
+//!   multiplied together, or which — batched == solo, bit for bit — nor on the body that computed it.
 
-use std::arch::x86_64::*;
+mod avx2;
+mod avx512;
 
 use candle_core::quantized::QTensor;
 use half::f16;
 
-use super::isa;
+use super::isa::{self, Isa};
 use super::panels::{panels, Block, PanelKernel, PANEL};
 use super::Kernel;
 use crate::error::{Error, Result};
 
 const QK: usize = 32;
-/// Input rows one pass over a panel's blocks serves (their integer and float accumulators fill the registers).
+/// Input rows one pass of the AVX-512 body over a panel's blocks serves (their integer and float accumulators fill
+/// the registers).
 const ROWS: usize = 3;
+
+/// The instruction set a matrix's products run with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// AVX-512 F/BW with VNNI's `vpdpbusd`.
+    Avx512Vnni,
+    /// AVX2 and FMA: `vpmaddubsw` and `vpmaddwd`.
+    Avx2,
+}
+
+impl Body {
+    /// The best body at the kernels' level (`isa`), if this CPU runs any.
+    pub fn best() -> Option<Body> {
+        if isa::vnni() {
+            Some(Body::Avx512Vnni)
+        } else if isa::level() >= Isa::Avx2 {
+            Some(Body::Avx2)
+        } else {
+            None
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codes {
@@ -52,6 +76,7 @@ impl Codes {
 /// position group (`g · 256 + row · 4 + j` is the row's block byte `4g + j`); the rows' scales at `d[pb · 64..]`;
 /// for Q8_0 the rows' `−128 · Σ codes` at `start[pb · 64..]`. Rows past `n` have scale 0.
 pub struct QMatrix {
+    body: Body,
     codes: Codes,
     qs: Vec<u8>,
     d: Vec<f32>,
@@ -71,11 +96,15 @@ struct Q8Rows {
 }
 
 impl QMatrix {
-    /// The repacked weight; an error where the CPU lacks AVX-512 VNNI (`isa::vnni`), which every kernel here needs.
+    /// The repacked weight, multiplied by the best body at the kernels' level; an error where there is none
+    /// (`Body::best`).
     pub fn new(t: &QTensor, codes: Codes) -> Result<Self> {
-        if !isa::vnni() {
-            return Err(Error::Internal("the Q4_0 / Q8_0 kernel needs AVX-512 VNNI".into()));
-        }
+        let body = Body::best().ok_or_else(|| Error::Internal("the Q4_0 / Q8_0 kernel needs AVX2".into()))?;
+        Self::with_body(t, codes, body)
+    }
+
+    /// The repacked weight, multiplied by `body`, which the caller has checked this CPU runs.
+    fn with_body(t: &QTensor, codes: Codes, body: Body) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
         if k % QK != 0 {
             return Err(Error::Internal(format!("block-quantized weight width {k} is not a multiple of {QK}")));
@@ -105,105 +134,13 @@ impl QMatrix {
                 }
             }
         }
-        Ok(Self { codes, qs, d, start, n, k, nb })
+        Ok(Self { body, codes, qs, d, start, n, k, nb })
     }
 
     /// Block byte `t` of row `r`'s block `b`.
     fn byte(&self, r: usize, b: usize, t: usize) -> u8 {
         let (pb, o, bb) = ((r / PANEL) * self.nb + b, r % PANEL, self.codes.block_bytes());
         self.qs[pb * PANEL * bb + (t / 4) * 4 * PANEL + o * 4 + t % 4]
-    }
-
-    /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
-    /// `unpacked`: Q4_0 only, the panel's codes as one byte each (`unpack`), or empty to expand the nibbles here.
-    // 87 lines: the hot kernel keeps its accumulators in registers across the three code layouts' inner loops.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn panel_dots<const R: usize>(
-        &self,
-        xq: &Q8Rows,
-        p: usize,
-        i0: usize,
-        unpacked: &[u8],
-        out: &mut [[f32; PANEL]],
-    ) {
-        let (nb, bb) = (self.nb, self.codes.block_bytes());
-        assert!(xq.d.len() >= (i0 + R) * nb && self.d.len() >= (p + 1) * nb * PANEL && out.len() >= R);
-        let low = _mm512_set1_epi8(0x0F);
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        for b in 0..nb {
-            let pb = p * nb + b;
-            let w = self.qs.as_ptr().add(pb * PANEL * bb);
-            let x = |a: usize, t: usize| {
-                let at = xq.qs.as_ptr().add(((i0 + a) * nb + b) * QK + t);
-                _mm512_set1_epi32((at as *const i32).read_unaligned())
-            };
-            let mut sums = [[_mm512_setzero_si512(); 4]; R];
-            match self.codes {
-                Codes::Bytes => {
-                    for (t, s) in (0..4)
-                        .map(|t| _mm512_loadu_si512(self.start.as_ptr().add(pb * PANEL + 16 * t) as *const __m512i))
-                        .enumerate()
-                    {
-                        for sa in sums.iter_mut() {
-                            sa[t] = s;
-                        }
-                    }
-                    for g in 0..8 {
-                        let xs: [__m512i; R] = std::array::from_fn(|a| x(a, 4 * g));
-                        for t in 0..4 {
-                            let wv = _mm512_loadu_si512(w.add(g * 4 * PANEL + 64 * t) as *const __m512i);
-                            for (sa, xa) in sums.iter_mut().zip(&xs) {
-                                sa[t] = _mm512_dpbusd_epi32(sa[t], *xa, wv);
-                            }
-                        }
-                    }
-                }
-                Codes::Nibbles if !unpacked.is_empty() => {
-                    for (a, sa) in sums.iter_mut().enumerate() {
-                        *sa = [_mm512_set1_epi32(xq.start[(i0 + a) * nb + b]); 4];
-                    }
-                    let u = unpacked[b * 8 * 4 * PANEL..(b + 1) * 8 * 4 * PANEL].as_ptr();
-                    for g in 0..8 {
-                        let xs: [__m512i; R] = std::array::from_fn(|a| x(a, 4 * g));
-                        for t in 0..4 {
-                            let wv = _mm512_loadu_si512(u.add(g * 4 * PANEL + 64 * t) as *const __m512i);
-                            for (sa, xa) in sums.iter_mut().zip(&xs) {
-                                sa[t] = _mm512_dpbusd_epi32(sa[t], wv, *xa);
-                            }
-                        }
-                    }
-                }
-                Codes::Nibbles => {
-                    for (a, sa) in sums.iter_mut().enumerate() {
-                        *sa = [_mm512_set1_epi32(xq.start[(i0 + a) * nb + b]); 4];
-                    }
-                    for g in 0..4 {
-                        let (xl, xh): ([__m512i; R], [__m512i; R]) =
-                            (std::array::from_fn(|a| x(a, 4 * g)), std::array::from_fn(|a| x(a, 16 + 4 * g)));
-                        for t in 0..4 {
-                            let raw = _mm512_loadu_si512(w.add(g * 4 * PANEL + 64 * t) as *const __m512i);
-                            let lo = _mm512_and_si512(raw, low);
-                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
-                            for (a, sa) in sums.iter_mut().enumerate() {
-                                sa[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sa[t], lo, xl[a]), hi, xh[a]);
-                            }
-                        }
-                    }
-                }
-            }
-            for (a, (acc_a, sa)) in acc.iter_mut().zip(&sums).enumerate() {
-                let dx = _mm512_set1_ps(xq.d[(i0 + a) * nb + b]);
-                for t in 0..4 {
-                    let dw = _mm512_loadu_ps(self.d.as_ptr().add(pb * PANEL + 16 * t));
-                    acc_a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa[t]), _mm512_mul_ps(dw, dx), acc_a[t]);
-                }
-            }
-        }
-        for (dst, acc_a) in out.iter_mut().zip(&acc) {
-            for (t, v) in acc_a.iter().enumerate() {
-                _mm512_storeu_ps(dst.as_mut_ptr().add(16 * t), *v);
-            }
-        }
     }
 }
 
@@ -246,19 +183,29 @@ impl PanelKernel for QRun<'_> {
     }
 
     fn block(&self, p: usize, unpacked: &Vec<u8>, i0: usize, rows: usize, out: &mut Block) {
-        let mut done = 0;
-        while done < rows {
-            let (i, dst) = (i0 + done, &mut out[done..]);
-            // SAFETY: a QMatrix exists only where the CPU has AVX-512 F/BW/VNNI (`QMatrix::new` checks
-            // `isa::vnni`); `panels` keeps i0 + rows within m.
-            unsafe {
-                match rows - done {
-                    1 => self.mat.panel_dots::<1>(&self.xq, p, i, unpacked, dst),
-                    2 => self.mat.panel_dots::<2>(&self.xq, p, i, unpacked, dst),
-                    _ => self.mat.panel_dots::<ROWS>(&self.xq, p, i, unpacked, dst),
+        let (mat, xq) = (self.mat, &self.xq);
+        // SAFETY: a QMatrix holds a body only where the CPU runs it (`Body::best`); `panels` keeps i0 + rows
+        // within m.
+        unsafe {
+            match mat.body {
+                Body::Avx2 => {
+                    for (a, dst) in out[..rows].iter_mut().enumerate() {
+                        avx2::panel_dots(mat, xq, p, i0 + a, unpacked, dst);
+                    }
+                }
+                Body::Avx512Vnni => {
+                    let mut done = 0;
+                    while done < rows {
+                        let (i, dst) = (i0 + done, &mut out[done..]);
+                        match rows - done {
+                            1 => avx512::panel_dots::<1>(mat, xq, p, i, unpacked, dst),
+                            2 => avx512::panel_dots::<2>(mat, xq, p, i, unpacked, dst),
+                            _ => avx512::panel_dots::<ROWS>(mat, xq, p, i, unpacked, dst),
+                        }
+                        done += ROWS.min(rows - done);
+                    }
                 }
             }
-            done += ROWS.min(rows - done);
         }
     }
 }
@@ -292,36 +239,13 @@ impl Kernel for QMatrix {
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let k = self.k;
         assert!(x.len() == m * k && out.len() == m * self.n, "matmul buffer sizes do not match ({m}, {k}, {})", self.n);
-        let xq = Q8Rows::quantize(x, m, k, self.codes);
+        let xq = Q8Rows::quantize(x, m, k, self.codes, self.body);
         panels(&QRun { mat: self, xq }, m, self.n, m * self.n * k, out);
     }
 }
 
-/// One block of 32 activations as ggml's AVX code quantizes it: `d = amax / 127`, `q = round(x / d)` to nearest
-/// (ties to even, the vector unit's mode), saturated to i8. Returns `d` (before its f16 rounding).
-///
-/// # Safety
-/// The CPU must have AVX-512 F (a QMatrix exists only where it has AVX-512 VNNI).
-#[target_feature(enable = "avx512f")]
-unsafe fn quantize_block(xb: &[f32], q: &mut [i8; QK]) -> f32 {
-    assert_eq!(xb.len(), QK);
-    // xb holds 32 floats and q 32 bytes (checked above).
-    let (a, b) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    let d = amax / 127.0;
-    let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-    let round = |v| {
-        _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(v, id),
-        ))
-    };
-    _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, round(a));
-    _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, round(b));
-    d
-}
-
 impl Q8Rows {
-    fn quantize(x: &[f32], m: usize, k: usize, codes: Codes) -> Self {
+    fn quantize(x: &[f32], m: usize, k: usize, codes: Codes, body: Body) -> Self {
         let nb = k / QK;
         let mut qs = vec![0u8; m * nb * QK];
         let mut d = vec![0f32; m * nb];
@@ -330,8 +254,14 @@ impl Q8Rows {
         for i in 0..m {
             for b in 0..nb {
                 let ib = i * nb + b;
-                // SAFETY: a QMatrix, whose inputs these are, exists only where the CPU has AVX-512 VNNI.
-                let scale = unsafe { quantize_block(&x[ib * QK..(ib + 1) * QK], &mut q) };
+                let xb = &x[ib * QK..(ib + 1) * QK];
+                // SAFETY: the matrix whose inputs these are holds a body only where the CPU runs it.
+                let scale = unsafe {
+                    match body {
+                        Body::Avx512Vnni => avx512::quantize_block(xb, &mut q),
+                        Body::Avx2 => avx2::quantize_block(xb, &mut q),
+                    }
+                };
                 d[ib] = f16::from_f32(scale).to_f32();
                 let dst = &mut qs[ib * QK..(ib + 1) * QK];
                 match codes {
@@ -350,13 +280,82 @@ impl Q8Rows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::GgmlDType;
+    use candle_core::quantized::{GgmlDType, QStorage};
     use candle_core::{Device, Tensor};
 
+    /// Every body this CPU runs, best first; `TINYLOOP_ISA` does not limit a test that names its bodies.
+    fn bodies() -> Vec<Body> {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma");
+        let vnni = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni");
+        [(Body::Avx512Vnni, vnni), (Body::Avx2, avx2)].into_iter().filter(|&(_, on)| on).map(|(b, _)| b).collect()
+    }
+
+    /// An `(n, k)` matrix of `dtype` whose block `b` of row `r` has scale `0.01 · (1 + (r + b) % 5)` and codes
+    /// `code(r, b, c)` (`c` the block byte).
+    fn raw_matrix(dtype: GgmlDType, n: usize, k: usize, code: impl Fn(usize, usize, usize) -> u8) -> QTensor {
+        let bytes = dtype.type_size() - 2;
+        let mut raw = Vec::new();
+        for r in 0..n {
+            for b in 0..k / QK {
+                raw.extend_from_slice(&f16::from_f32(0.01 * (1 + (r + b) % 5) as f32).to_le_bytes());
+                raw.extend((0..bytes).map(|c| code(r, b, c)));
+            }
+        }
+        let storage = QStorage::from_data(std::borrow::Cow::Owned(raw), &Device::Cpu, dtype).unwrap();
+        QTensor::new(storage, (n, k)).unwrap()
+    }
+
     #[test]
-    fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count() {
-        if !isa::vnni() {
-            return; // the kernel runs only with AVX-512 VNNI
+    fn extreme_codes_and_inputs_do_not_saturate_any_body() {
+        // Inputs that quantize to ±127 (d = 1.5 / 127) against codes at the ends of their ranges: the largest
+        // 16-bit sums the AVX2 body forms. Q8_0 codes over the whole byte range, −128 included (no quantizer
+        // writes it, a file may hold it); Q4_0 nibbles all 15 or 0 under inputs of one sign.
+        let (n, k, m) = (64, 256, 2);
+        let cases = [
+            (
+                GgmlDType::Q8_0,
+                Codes::Bytes,
+                (|i| if (i / 3).is_multiple_of(2) { 1.5 } else { -1.5 }) as fn(usize) -> f32,
+            ),
+            (GgmlDType::Q4_0, Codes::Nibbles, |i| if (i / QK).is_multiple_of(2) { 1.5 } else { -1.5 }),
+        ];
+        for (dtype, codes, input) in cases {
+            let q = raw_matrix(dtype, n, k, |r, b, c| match codes {
+                Codes::Bytes if (r + c) % 3 == 0 => 0x80,
+                Codes::Bytes => ((r * 31 + b * 7 + c * 13) % 256) as u8,
+                Codes::Nibbles if r % 2 == 0 => 0xFF,
+                Codes::Nibbles => 0x00,
+            });
+            let x: Vec<f32> = (0..m * k).map(input).collect();
+            let deq = q.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+            let dx = f16::from_f32(1.5 / 127.0).to_f32() as f64;
+            let mut first: Option<Vec<f32>> = None;
+            for body in bodies() {
+                let mut out = vec![0f32; m * n];
+                QMatrix::with_body(&q, codes, body).unwrap().matmul(&x, m, &mut out);
+                for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                    let want: f64 = (0..k).map(|c| deq[j][c] as f64 * x[i * k + c].signum() as f64 * 127.0 * dx).sum();
+                    let got = out[i * n + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "{dtype:?} {body:?} ({i}, {j}): {got} vs {want}"
+                    );
+                }
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(&out, f, "{dtype:?}: {body:?} differs from the best body"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_matches_ggml_arithmetic_and_is_independent_of_the_row_count_and_the_body() {
+        // Every body this CPU runs; `TINYLOOP_ISA` does not limit a test that names its bodies.
+        let bodies = bodies();
+        if bodies.is_empty() {
+            return; // the kernel needs AVX2 at least
         }
         // m = 14 and 20 run Q4_0 over codes expanded once per matmul (from 12 rows on); the rest expand per pass.
         let shapes = [(20, 64, 1), (33, 96, 6), (70, 704, 9), (130, 64, 14), (65, 96, 20)];
@@ -365,10 +364,17 @@ mod tests {
         {
             let w: Vec<f32> = (0..n * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
             let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
-            let mat = QMatrix::new(&q, codes).unwrap();
             let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
-            let mut all = vec![0f32; m * n];
-            mat.matmul(&x, m, &mut all);
+            let run = |body| {
+                let mat = QMatrix::with_body(&q, codes, body).unwrap();
+                let mut all = vec![0f32; m * n];
+                mat.matmul(&x, m, &mut all);
+                (mat, all)
+            };
+            let (mat, all) = run(bodies[0]);
+            for &body in &bodies[1..] {
+                assert_eq!(run(body).1, all, "{body:?} and {:?} differ ({n}, {k}, {m}, {dtype:?})", bodies[0]);
+            }
             // Reference: ggml's Q8_0 input quantization and per-block integer dot products, in f64.
             let deq = q.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
             for i in 0..m {
