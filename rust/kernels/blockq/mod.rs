@@ -20,10 +20,10 @@ mod avx512;
 use candle_core::quantized::QTensor;
 use half::f16;
 
-use super::isa::{self, Isa};
-use super::panels::{panels, Block, PanelKernel, PANEL};
-use super::Kernel;
 use crate::error::{Error, Result};
+use crate::kernels::isa::{self, Isa};
+use crate::kernels::panels::{panels, Block, PanelKernel, PANEL};
+use crate::kernels::Kernel;
 
 const QK: usize = 32;
 /// Input rows one pass of the AVX-512 body over a panel's blocks serves (their integer and float accumulators fill
