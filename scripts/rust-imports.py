@@ -167,8 +167,12 @@ class Crate:
     def graphs(self) -> tuple[dict[str, set[str]], dict[Path, dict[str, set[str]]]]:
         top: dict[str, set[str]] = {m: set() for m in self.top}
         folders: dict[Path, dict[str, set[str]]] = {}
-        for d in sorted({p.parent for p in self.files if p.parent != self.root}):
-            names = sorted(self.node_in_folder(p) for p in self.files if p.parent == d)
+        dirs = sorted({p.parent for p in self.files if p.parent != self.root})
+        for d in dirs:
+            # A folder's nodes: its files, and its subfolders (each one module).
+            names = sorted(
+                {self.node_in_folder(p) for p in self.files if p.parent == d} | {e.name for e in dirs if e.parent == d}
+            )
             folders[d] = {n: set() for n in names}
         for p in self.files:
             if p.name == "lib.rs":
@@ -187,8 +191,8 @@ class Crate:
                     dst = self.resolve_crate(segs)
                     if dst and dst != src:
                         top[src].add(dst)
-                    if dst == src and folder is not None and len(segs) > 2:
-                        self.folder_edge(folder, me, segs[2])
+                    if dst == src:
+                        self.crate_edges(folders, home, segs[1:])
                     continue
                 d = depth[off] + extra
                 if head == "super":
@@ -208,6 +212,17 @@ class Crate:
                 elif head in children and d == 0:
                     self.folder_edge(folder, me, head)
         return top, folders
+
+    def crate_edges(self, folders: dict[Path, dict[str, set[str]]], home: Path, path: list[str]) -> None:
+        """The edges a `crate::` path into the file's own top-level module draws: in each folder on the way down
+        that both the file and the path are inside, from the node holding the file to the node the path enters."""
+        mods = list(home.relative_to(self.root).parts[:-1])
+        for level in range(1, len(mods) + 1):
+            folder = folders.get(self.root.joinpath(*mods[:level]))
+            if folder is None or path[:level] != mods[:level] or len(path) <= level:
+                break
+            me = mods[level] if level < len(mods) else self.node_in_folder(home)
+            self.folder_edge(folder, me, path[level])
 
     @staticmethod
     def folder_edge(folder: dict[str, set[str]], me: str, name: str) -> None:

@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Codes, Q8Rows, QMatrix, QK};
+use super::layout::{Codes, Q8Rows, QMatrix, QK};
 use crate::kernels::panels::PANEL;
 
 /// Outputs one pass covers.

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Codes, Q8Rows, QMatrix, QK};
+use super::layout::{Codes, Q8Rows, QMatrix, QK};
 use crate::kernels::panels::PANEL;
 
 /// `out[a][o]` for input rows `i0..i0 + R` and panel `p`.
