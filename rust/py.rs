@@ -751,7 +751,7 @@ fn release_memory(py: Python<'_>) {
     py.detach(crate::allocator::release_memory)
 }
 
-/// The instruction-set level tinyloop's kernels run at: "avx512+vnni", "avx512", "avx2" or "scalar" (the best the
+/// The instruction-set level tinyloop's kernels run at: "avx512+vnni", "avx512", "avx2", "neon" or "scalar" (the best the
 /// CPU has, or lower as `TINYLOOP_ISA` asks; `rust/kernels/isa.rs`).
 #[pyfunction]
 fn isa() -> String {

@@ -56,7 +56,7 @@ PREFILL_CHUNK: int  # prompt tokens a stream prefills per batched step
 WINDOW_SLACK: int  # positions a windowed cache keeps below the window for speculative rollback
 
 def isa() -> str:
-    """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2" or "scalar" (the best the CPU
+    """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2", "neon" or "scalar" (the best the CPU
     has, or lower as TINYLOOP_ISA asks)."""
 
 def num_threads() -> int:

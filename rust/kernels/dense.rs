@@ -32,6 +32,12 @@ pub trait Dense: Copy + Send + Sync + 'static {
     /// `p` must point to 8 readable elements; the CPU must have AVX2 and F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Eight elements at `p` as two vectors of f32 lanes.
+    ///
+    /// # Safety
+    /// `p` must point to 8 readable elements; the CPU must have NEON.
+    #[cfg(target_arch = "aarch64")]
+    unsafe fn load8(p: *const Self) -> [std::arch::aarch64::float32x4_t; 2];
 }
 
 impl Dense for f16 {
@@ -53,6 +59,24 @@ impl Dense for f16 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> [std::arch::aarch64::float32x4_t; 2] {
+        use std::arch::aarch64::*;
+        let h = vld1q_u16(p as *const u16);
+        let (lo, hi): (float32x4_t, float32x4_t);
+        // FCVTL / FCVTL2 (every ARMv8-A core; the intrinsics over `float16x8_t` are not stable Rust yet): exact.
+        std::arch::asm!(
+            "fcvtl {lo:v}.4s, {h:v}.4h",
+            "fcvtl2 {hi:v}.4s, {h:v}.8h",
+            h = in(vreg) h,
+            lo = out(vreg) lo,
+            hi = out(vreg) hi,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+        [lo, hi]
+    }
 }
 
 impl Dense for f32 {
@@ -71,6 +95,13 @@ impl Dense for f32 {
     #[inline]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> [std::arch::aarch64::float32x4_t; 2] {
+        use std::arch::aarch64::*;
+        [vld1q_f32(p), vld1q_f32(p.add(4))]
     }
 }
 
@@ -173,7 +204,12 @@ fn panel_dots<W: Dense, const R: usize>(level: Isa, x: &[f32], k: usize, i0: usi
         Isa::Avx512 => return unsafe { panel_dots_avx512::<W, R>(x, k, i0, w, out) },
         // SAFETY: the CPU has AVX2, FMA and F16C.
         Isa::Avx2 => return unsafe { panel_dots_avx2::<W, R>(x, k, i0, w, out) },
-        Isa::Scalar => {}
+        Isa::Scalar | Isa::Neon => {}
+    }
+    #[cfg(target_arch = "aarch64")]
+    if level == Isa::Neon {
+        // SAFETY: the CPU has NEON.
+        return unsafe { panel_dots_neon::<W, R>(x, k, i0, w, out) };
     }
     for (a, dst) in out.iter_mut().take(R).enumerate() {
         let xr = &x[(i0 + a) * k..(i0 + a + 1) * k];
@@ -267,14 +303,62 @@ unsafe fn rows_avx2<W: Dense, const N: usize, const V: usize>(
     }
 }
 
+/// `panel_dots` in NEON vectors of 4 lanes, the same arithmetic. A panel's 64 accumulators take 16 of the 32
+/// registers: the first row runs alone over the whole panel (streaming it from memory in order), the others in
+/// pairs over each half panel.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn panel_dots_neon<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+    assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
+    rows_neon::<W, 1, 8>(x, k, i0, w, out, 0);
+    let mut a = 1;
+    while a < R {
+        let rows = &mut out[a..];
+        if R - a == 1 {
+            rows_neon::<W, 1, 8>(x, k, i0 + a, w, rows, 0);
+        } else {
+            rows_neon::<W, 2, 4>(x, k, i0 + a, w, rows, 0);
+            rows_neon::<W, 2, 4>(x, k, i0 + a, w, rows, 32);
+        }
+        a += 2.min(R - a);
+    }
+}
+
+/// Outputs `o0..o0 + 8V` of `N` rows for `panel_dots_neon`, which checked the bounds.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn rows_neon<W: Dense, const N: usize, const V: usize>(
+    x: &[f32],
+    k: usize,
+    i0: usize,
+    w: &[W],
+    out: &mut [[f32; PANEL]],
+    o0: usize,
+) {
+    use std::arch::aarch64::*;
+    let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr().add(o0));
+    let mut acc = [[[vdupq_n_f32(0.0); 2]; V]; N];
+    for c in 0..k {
+        let wc = wp.add(c * PANEL);
+        let xs: [float32x4_t; N] = std::array::from_fn(|a| vdupq_n_f32(*xp.add(a * k + c)));
+        for t in 0..V {
+            let wt = W::load8(wc.add(8 * t));
+            for (acc_a, xa) in acc.iter_mut().zip(&xs) {
+                acc_a[t] = [vfmaq_f32(acc_a[t][0], *xa, wt[0]), vfmaq_f32(acc_a[t][1], *xa, wt[1])];
+            }
+        }
+    }
+    for (dst, acc_a) in out.iter_mut().zip(&acc) {
+        for (t, [lo, hi]) in acc_a.iter().enumerate() {
+            vst1q_f32(dst.as_mut_ptr().add(o0 + 8 * t), *lo);
+            vst1q_f32(dst.as_mut_ptr().add(o0 + 8 * t + 4), *hi);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Every level this CPU runs, lowest first.
-    fn levels() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|&l| l <= isa::detected_level()).collect()
-    }
 
     #[test]
     fn every_level_gives_the_same_bits() {
@@ -296,7 +380,7 @@ mod tests {
                 out
             };
             let want = run(Isa::Scalar, false);
-            for level in levels() {
+            for level in isa::runnable() {
                 assert_eq!(run(level, false), want, "f16 at {level:?} ({n}, {k}, {m})");
                 assert_eq!(run(level, true), want, "f32 at {level:?} ({n}, {k}, {m})");
             }

@@ -1,19 +1,21 @@
 //! The instruction-set level tinyloop's kernels run at, chosen once, when a kernel first asks: the best level the
-//! CPU has, or a lower one `TINYLOOP_ISA` names (`avx512`, `avx2`, `scalar`; a level the CPU lacks falls back to the
-//! best it has). Each kernel with an AVX-512 body checks `avx512()` per call and otherwise runs its portable body,
-//! which the compiler vectorizes for the build's baseline.
+//! CPU has, or a lower one `TINYLOOP_ISA` names (`avx512`, `avx2`, `neon`, `scalar`; a level the CPU lacks falls
+//! back to the best it has). Each kernel with a body for a level checks the level per call and otherwise runs its
+//! portable body, which the compiler vectorizes for the build's baseline.
 
 use std::sync::OnceLock;
 
-/// Levels, lowest first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// Levels. Each architecture has its own ladder of them (`ladder`), lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     /// The portable kernels only.
     Scalar,
-    /// AVX2, FMA and F16C: the portable kernels, built for them where the baseline has them.
+    /// x86: AVX2, FMA and F16C.
     Avx2,
-    /// AVX-512 F, BW, VL and DQ (with AVX2, FMA, F16C): tinyloop's AVX-512 kernels (and, with VNNI, its Q4_0 / Q8_0 kernel).
+    /// x86: AVX-512 F, BW, VL and DQ (with AVX2, FMA, F16C); with VNNI, the Q4_0 / Q8_0 kernel's fastest body.
     Avx512,
+    /// aarch64: Advanced SIMD (NEON), with the half-precision conversions every ARMv8-A core has.
+    Neon,
 }
 
 impl Isa {
@@ -22,11 +24,23 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
         }
     }
 
     fn parse(name: &str) -> Option<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().find(|l| l.name() == name)
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon].into_iter().find(|l| l.name() == name)
+    }
+}
+
+/// This architecture's levels, lowest first.
+pub fn ladder() -> &'static [Isa] {
+    if cfg!(target_arch = "x86_64") {
+        &[Isa::Scalar, Isa::Avx2, Isa::Avx512]
+    } else if cfg!(target_arch = "aarch64") {
+        &[Isa::Scalar, Isa::Neon]
+    } else {
+        &[Isa::Scalar]
     }
 }
 
@@ -43,21 +57,28 @@ fn detected() -> (Isa, bool) {
             return (Isa::Avx2, false);
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        return (Isa::Neon, false);
+    }
     (Isa::Scalar, false)
 }
 
-/// The best level this CPU has, whatever `TINYLOOP_ISA` asks (for tests that run every level side by side).
-pub fn detected_level() -> Isa {
-    detected().0
+/// The levels this CPU runs, lowest first, whatever `TINYLOOP_ISA` asks (for tests that run every level side by
+/// side).
+pub fn runnable() -> Vec<Isa> {
+    let best = detected().0;
+    let top = ladder().iter().position(|&l| l == best).unwrap_or(0);
+    ladder()[..=top].to_vec()
 }
 
 /// `TINYLOOP_ISA` as a level, if set: an error for a name that is not one.
 pub fn requested() -> Result<Option<Isa>, String> {
     match std::env::var("TINYLOOP_ISA") {
         Err(_) => Ok(None),
-        Ok(name) => Isa::parse(name.trim())
-            .map(Some)
-            .ok_or_else(|| format!("TINYLOOP_ISA={name:?} is not a level: one of \"avx512\", \"avx2\", \"scalar\"")),
+        Ok(name) => Isa::parse(name.trim()).map(Some).ok_or_else(|| {
+            format!("TINYLOOP_ISA={name:?} is not a level: one of \"avx512\", \"avx2\", \"neon\", \"scalar\"")
+        }),
     }
 }
 
@@ -65,8 +86,9 @@ fn chosen() -> (Isa, bool) {
     static CHOSEN: OnceLock<(Isa, bool)> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
         let (best, vnni) = detected();
-        // An unknown name is reported where a model loads (`Engine::load`); the kernels use the best level.
-        let level = requested().ok().flatten().map_or(best, |r| r.min(best));
+        // An unknown name is reported where a model loads (`Engine::load`); the kernels use the best level, as
+        // they do for a level this CPU lacks (another architecture's, or one above its best).
+        let level = requested().ok().flatten().filter(|r| runnable().contains(r)).unwrap_or(best);
         (level, vnni && level == Isa::Avx512)
     })
 }
@@ -87,7 +109,7 @@ pub fn vnni() -> bool {
     chosen().1
 }
 
-/// The level in use as people read it: `avx512+vnni`, `avx512`, `avx2` or `scalar`.
+/// The level in use as people read it: `avx512+vnni`, `avx512`, `avx2`, `neon` or `scalar`.
 pub fn describe() -> String {
     match (level(), vnni()) {
         (Isa::Avx512, true) => "avx512+vnni".to_string(),

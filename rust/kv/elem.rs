@@ -43,6 +43,7 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
         axpy_rows(values, meta, w, rows, weights, out);
     }
     /// The stored rows as f16 when that is what they are (for `attn_f16`'s blocked attention); `None` otherwise.
+    #[cfg(target_arch = "x86_64")]
     fn as_f16(_rows: &[Self]) -> Option<&[f16]> {
         None
     }
@@ -108,6 +109,7 @@ impl KvElem for f16 {
     fn axpy(row: &[Self], _: (), w: f32, out: &mut [f32]) {
         f16_axpy(row, w, out)
     }
+    #[cfg(target_arch = "x86_64")]
     fn as_f16(rows: &[Self]) -> Option<&[f16]> {
         Some(rows)
     }

@@ -25,7 +25,7 @@ impl Body {
     pub fn best() -> Option<Body> {
         if isa::vnni() {
             Some(Body::Avx512Vnni)
-        } else if isa::level() >= Isa::Avx2 {
+        } else if matches!(isa::level(), Isa::Avx2 | Isa::Avx512) {
             Some(Body::Avx2)
         } else {
             None
