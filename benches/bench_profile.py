@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import pytest
 
 import tinyloop
@@ -31,7 +30,7 @@ from tinyloop import Generation, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import SAMPLING as SAMPLED
-from quant_models import DEFAULT, SEED, random_model
+from quant_models import DEFAULT, SEED, random_model, weight_bytes
 from streams import step_until_done
 
 MODELS = {"default F16": lambda: DEFAULT, "seed Q4_0": lambda: random_model(SEED, "Q4_0")}
@@ -44,17 +43,6 @@ CASES = [
 ]
 PROMPT = "The little dog ran to the park and"
 _ENGINES: dict[str, tinyloop.Engine] = {}
-
-
-def weight_bytes(path: Path) -> dict[str, int]:
-    """Bytes of the prelude layers, the looped block, and the head (the embedding table when tied)."""
-    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
-    head = sizes.get("output.weight", sizes["token_embd.weight"])
-    return {
-        "prelude": sum(n for name, n in sizes.items() if name.startswith("pre.")),
-        "block": sum(n for name, n in sizes.items() if name.startswith("blk.")),
-        "head": head + sizes["output_norm.weight"],
-    }
 
 
 def multiply_adds(info, loops: int) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+
 import tinyloop
 from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 
@@ -52,3 +54,14 @@ def model_path(name: str) -> Path:
         if main(["quantize", str(DEFAULT), str(out), *args]) != 0:
             raise RuntimeError(f"tinyloop quantize {args} failed")
     return out
+
+
+def weight_bytes(path: Path) -> dict[str, int]:
+    """Bytes of the prelude layers, the looped block, and the head (the embedding table when tied)."""
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    head = sizes.get("output.weight", sizes["token_embd.weight"])
+    return {
+        "prelude": sum(n for name, n in sizes.items() if name.startswith("pre.")),
+        "block": sum(n for name, n in sizes.items() if name.startswith("blk.")),
+        "head": head + sizes["output_norm.weight"],
+    }

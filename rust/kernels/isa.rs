@@ -44,7 +44,8 @@ pub fn ladder() -> &'static [Isa] {
     }
 }
 
-/// The best level this CPU has, and whether it has AVX-512 VNNI.
+/// The best level this CPU has, and whether it has that level's integer dot product (x86: AVX-512 VNNI; aarch64:
+/// the dot-product extension).
 fn detected() -> (Isa, bool) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -59,7 +60,7 @@ fn detected() -> (Isa, bool) {
     }
     #[cfg(target_arch = "aarch64")]
     if std::arch::is_aarch64_feature_detected!("neon") {
-        return (Isa::Neon, false);
+        return (Isa::Neon, std::arch::is_aarch64_feature_detected!("dotprod"));
     }
     (Isa::Scalar, false)
 }
@@ -85,11 +86,11 @@ pub fn requested() -> Result<Option<Isa>, String> {
 fn chosen() -> (Isa, bool) {
     static CHOSEN: OnceLock<(Isa, bool)> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
-        let (best, vnni) = detected();
+        let (best, dot) = detected();
         // An unknown name is reported where a model loads (`Engine::load`); the kernels use the best level, as
         // they do for a level this CPU lacks (another architecture's, or one above its best).
         let level = requested().ok().flatten().filter(|r| runnable().contains(r)).unwrap_or(best);
-        (level, vnni && level == Isa::Avx512)
+        (level, dot && level == best)
     })
 }
 
@@ -104,15 +105,21 @@ pub fn avx512() -> bool {
     level() == Isa::Avx512
 }
 
-/// The AVX-512 VNNI Q4_0 / Q8_0 kernel runs.
+/// The AVX-512 VNNI body of the Q4_0 / Q8_0 kernel runs.
 pub fn vnni() -> bool {
-    chosen().1
+    chosen().1 && level() == Isa::Avx512
 }
 
-/// The level in use as people read it: `avx512+vnni`, `avx512`, `avx2`, `neon` or `scalar`.
+/// The NEON dot-product body of the Q4_0 / Q8_0 kernel runs.
+pub fn dotprod() -> bool {
+    chosen().1 && level() == Isa::Neon
+}
+
+/// The level in use as people read it: `avx512+vnni`, `avx512`, `avx2`, `neon+dotprod`, `neon` or `scalar`.
 pub fn describe() -> String {
-    match (level(), vnni()) {
+    match (level(), chosen().1) {
         (Isa::Avx512, true) => "avx512+vnni".to_string(),
+        (Isa::Neon, true) => "neon+dotprod".to_string(),
         (l, _) => l.name().to_string(),
     }
 }

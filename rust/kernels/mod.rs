@@ -1,11 +1,11 @@
 //! tinyloop's own compute kernels: the panel-packed matmuls (`dense` for F16/F32 weights, `blockq` for Q4_0/Q8_0 with
-//! AVX-512 VNNI or AVX2) over the shared driver in `panels`, blocked f16 attention (`attn_f16`), and 16-lane vector
+//! AVX-512 VNNI, AVX2 or NEON's dot product) over the shared driver in `panels`, blocked f16 attention (`attn_f16`), and 16-lane vector
 //! math (`simd`); `isa` picks, when a kernel first asks, which of their bodies run. The items every kernel
 //! shares are defined here; this module imports none of its children.
 
 #[cfg(target_arch = "x86_64")]
 pub mod attn_f16;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod blockq;
 pub mod dense;
 pub mod isa;

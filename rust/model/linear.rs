@@ -8,10 +8,10 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::Result;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::kernels::blockq::{Body, Codes, QMatrix};
 use crate::kernels::dense::{DenseMatrix, F16Matrix};
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::kernels::isa;
 use crate::kernels::Kernel;
 
@@ -29,12 +29,12 @@ impl Linear {
             // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
             // with (from 5 rows on), which would let batch-mates change a request's output.
             GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             GgmlDType::Q4_0 if Body::best().is_some() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
             // With VNNI, Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours);
             // ours takes the shapes it does not (the default model's 704-wide ffn_down), and every shape below
             // AVX-512 (candle would still pick its AVX-512 code there, past a lower `TINYLOOP_ISA`).
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             GgmlDType::Q8_0 if Body::best().is_some() && !(isa::vnni() && candle_repacks_q8_0(&t)?) => {
                 Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?))
             }
@@ -90,7 +90,7 @@ impl Linear {
 
 /// Whether candle 0.11 runs this Q8_0 matrix through its repacked AVX-512 VNNI tiles: output count a multiple of 16
 /// and input width a multiple of 256 (its `repack_x86::select`).
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn candle_repacks_q8_0(t: &QTensor) -> Result<bool> {
     let (n, k) = t.shape().dims2()?;
     Ok(n % 16 == 0 && k % 256 == 0)

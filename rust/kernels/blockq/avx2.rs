@@ -8,15 +8,13 @@
 //!
 //! Each lane still collects one output's exact integer block sum and takes the same fused multiply-add as in the
 //! VNNI body, so both bodies give the same bits. With half as many registers as AVX-512, a pass covers one input
-//! row and half a panel (32 outputs: four 8-lane integer and four float accumulators).
+//! row and the whole panel — its eight 8-lane integer block sums in registers, its float accumulators in the
+//! output row (in L1) — so the panel streams from memory in order.
 
 use std::arch::x86_64::*;
 
 use super::layout::{Codes, Q8Rows, QMatrix, QK};
 use crate::kernels::panels::PANEL;
-
-/// Outputs one pass covers.
-const HALF: usize = PANEL / 2;
 
 /// `out[o]` for input row `i` and panel `p`; `unpacked` as in the VNNI body.
 ///
@@ -30,65 +28,60 @@ pub(super) unsafe fn panel_dots(m: &QMatrix, xq: &Q8Rows, p: usize, i: usize, un
     let (low, ones, flip) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1), _mm256_set1_epi8(-128));
     // 16-bit pair sums to 32-bit lanes, added to `s`.
     let widen = |s: __m256i, pairs: __m256i| _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
-    for half in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for b in 0..nb {
-            let pb = p * nb + b;
-            let ib = i * nb + b;
-            // Vector `t` of group `g` of this half: rows half · 32 + 8t.., each row's 4 bytes side by side.
-            let at = |codes: *const u8, g: usize, t: usize| {
-                _mm256_loadu_si256(codes.add(g * 4 * PANEL + half * 4 * HALF + 32 * t) as *const __m256i)
-            };
-            let x = |t: usize| _mm256_set1_epi32((xq.qs.as_ptr().add(ib * QK + t) as *const i32).read_unaligned());
-            let sums = match m.codes {
-                Codes::Bytes => {
-                    let mut sums = [_mm256_setzero_si256(); 4];
-                    let w = m.qs.as_ptr().add(pb * PANEL * bb);
-                    for g in 0..8 {
-                        // The inputs are stored + 128 for the VNNI body; back to signed.
-                        let xs = _mm256_xor_si256(x(4 * g), flip);
-                        for (t, s) in sums.iter_mut().enumerate() {
-                            let wv = at(w, g, t);
-                            *s = widen(*s, _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xs, wv)));
-                        }
+    *out = [0.0; PANEL];
+    for b in 0..nb {
+        let (pb, ib) = (p * nb + b, i * nb + b);
+        // Vector `t` of group `g`: rows 8t.., each row's 4 bytes side by side.
+        let at = |codes: *const u8, g: usize, t: usize| {
+            _mm256_loadu_si256(codes.add(g * 4 * PANEL + 32 * t) as *const __m256i)
+        };
+        let x = |t: usize| _mm256_set1_epi32((xq.qs.as_ptr().add(ib * QK + t) as *const i32).read_unaligned());
+        let sums = match m.codes {
+            Codes::Bytes => {
+                let mut sums = [_mm256_setzero_si256(); 8];
+                let w = m.qs.as_ptr().add(pb * PANEL * bb);
+                for g in 0..8 {
+                    // The inputs are stored + 128 for the VNNI body; back to signed.
+                    let xs = _mm256_xor_si256(x(4 * g), flip);
+                    for (t, s) in sums.iter_mut().enumerate() {
+                        let wv = at(w, g, t);
+                        *s = widen(*s, _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xs, wv)));
                     }
-                    sums
                 }
-                Codes::Nibbles => {
-                    // A block's nibble products fit 16 bits (module doc): one widening per block.
-                    let mut pairs = [_mm256_setzero_si256(); 4];
-                    if unpacked.is_empty() {
-                        let w = m.qs.as_ptr().add(pb * PANEL * bb);
-                        for g in 0..4 {
-                            let (xl, xh) = (x(4 * g), x(16 + 4 * g));
-                            for (t, s) in pairs.iter_mut().enumerate() {
-                                let raw = at(w, g, t);
-                                let lo = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), xl);
-                                let hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), low), xh);
-                                *s = _mm256_add_epi16(*s, _mm256_add_epi16(lo, hi));
-                            }
-                        }
-                    } else {
-                        let u = unpacked.as_ptr().add(b * 8 * 4 * PANEL);
-                        for g in 0..8 {
-                            let xg = x(4 * g);
-                            for (t, s) in pairs.iter_mut().enumerate() {
-                                *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(at(u, g, t), xg));
-                            }
-                        }
-                    }
-                    let start = _mm256_set1_epi32(xq.start[ib]);
-                    pairs.map(|p| widen(start, p))
-                }
-            };
-            let dx = _mm256_set1_ps(xq.d[ib]);
-            for (t, (a, s)) in acc.iter_mut().zip(&sums).enumerate() {
-                let dw = _mm256_loadu_ps(m.d.as_ptr().add(pb * PANEL + half * HALF + 8 * t));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*s), _mm256_mul_ps(dw, dx), *a);
+                sums
             }
-        }
-        for (t, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(half * HALF + 8 * t), *a);
+            Codes::Nibbles => {
+                // A block's nibble products fit 16 bits (module doc): one widening per block.
+                let mut pairs = [_mm256_setzero_si256(); 8];
+                if unpacked.is_empty() {
+                    let w = m.qs.as_ptr().add(pb * PANEL * bb);
+                    for g in 0..4 {
+                        let (xl, xh) = (x(4 * g), x(16 + 4 * g));
+                        for (t, s) in pairs.iter_mut().enumerate() {
+                            let raw = at(w, g, t);
+                            let lo = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), xl);
+                            let hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), low), xh);
+                            *s = _mm256_add_epi16(*s, _mm256_add_epi16(lo, hi));
+                        }
+                    }
+                } else {
+                    let u = unpacked.as_ptr().add(b * 8 * 4 * PANEL);
+                    for g in 0..8 {
+                        let xg = x(4 * g);
+                        for (t, s) in pairs.iter_mut().enumerate() {
+                            *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(at(u, g, t), xg));
+                        }
+                    }
+                }
+                let start = _mm256_set1_epi32(xq.start[ib]);
+                pairs.map(|p| widen(start, p))
+            }
+        };
+        // The float accumulators live in `out` (in L1): the registers hold the block's integer sums.
+        let dx = _mm256_set1_ps(xq.d[ib]);
+        for (t, s) in sums.iter().enumerate() {
+            let (o, dw) = (out.as_mut_ptr().add(8 * t), _mm256_loadu_ps(m.d.as_ptr().add(pb * PANEL + 8 * t)));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(*s), _mm256_mul_ps(dw, dx), _mm256_loadu_ps(o)));
         }
     }
 }

@@ -15,20 +15,27 @@ pub(super) const QK: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Body {
     /// AVX-512 F/BW with VNNI's `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
     /// AVX2 and FMA: `vpmaddubsw` and `vpmaddwd`.
+    #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// NEON with the dot-product extension's `SDOT`.
+    #[cfg(target_arch = "aarch64")]
+    NeonDot,
 }
 
 impl Body {
     /// The best body at the kernels' level (`isa`), if this CPU runs any.
     pub fn best() -> Option<Body> {
-        if isa::vnni() {
-            Some(Body::Avx512Vnni)
-        } else if matches!(isa::level(), Isa::Avx2 | Isa::Avx512) {
-            Some(Body::Avx2)
-        } else {
-            None
+        match isa::level() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if isa::vnni() => Some(Body::Avx512Vnni),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 => Some(Body::Avx2),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon if isa::dotprod() => Some(Body::NeonDot),
+            _ => None,
         }
     }
 }
@@ -61,6 +68,8 @@ pub struct QMatrix {
     pub(super) codes: Codes,
     pub(super) qs: Vec<u8>,
     pub(super) d: Vec<f32>,
+    // Read by the VNNI body only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) start: Vec<i32>,
     pub(super) n: usize,
     pub(super) k: usize,
@@ -80,7 +89,9 @@ impl QMatrix {
     /// The repacked weight, multiplied by the best body at the kernels' level; an error where there is none
     /// (`Body::best`).
     pub fn new(t: &QTensor, codes: Codes) -> Result<Self> {
-        let body = Body::best().ok_or_else(|| Error::Internal("the Q4_0 / Q8_0 kernel needs AVX2".into()))?;
+        let body = Body::best().ok_or_else(|| {
+            Error::Internal("the Q4_0 / Q8_0 kernel needs AVX2, or NEON with the dot-product extension".into())
+        })?;
         Self::with_body(t, codes, body)
     }
 

@@ -14,9 +14,13 @@
 //!   with `d_x · d_w` into the output's f32 lane. No horizontal sums; an output never depends on how many rows are
 //!   multiplied together, or which — batched == solo, bit for bit — nor on the body that computed it.
 
+#[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod layout;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 use half::f16;
 
@@ -73,11 +77,19 @@ impl PanelKernel for QRun<'_> {
         // within m.
         unsafe {
             match mat.body {
+                #[cfg(target_arch = "aarch64")]
+                Body::NeonDot => {
+                    for (a, dst) in out[..rows].iter_mut().enumerate() {
+                        neon::panel_dots(mat, xq, p, i0 + a, unpacked, dst);
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
                 Body::Avx2 => {
                     for (a, dst) in out[..rows].iter_mut().enumerate() {
                         avx2::panel_dots(mat, xq, p, i0 + a, unpacked, dst);
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
                 Body::Avx512Vnni => {
                     let mut done = 0;
                     while done < rows {
@@ -143,8 +155,12 @@ impl Q8Rows {
                 // SAFETY: the matrix whose inputs these are holds a body only where the CPU runs it.
                 let scale = unsafe {
                     match body {
+                        #[cfg(target_arch = "x86_64")]
                         Body::Avx512Vnni => avx512::quantize_block(xb, &mut q),
+                        #[cfg(target_arch = "x86_64")]
                         Body::Avx2 => avx2::quantize_block(xb, &mut q),
+                        #[cfg(target_arch = "aarch64")]
+                        Body::NeonDot => neon::quantize_block(xb, &mut q),
                     }
                 };
                 d[ib] = f16::from_f32(scale).to_f32();
@@ -170,10 +186,22 @@ mod tests {
 
     /// Every body this CPU runs, best first; `TINYLOOP_ISA` does not limit a test that names its bodies.
     fn bodies() -> Vec<Body> {
-        use std::arch::is_x86_feature_detected as has;
-        let avx2 = has!("avx2") && has!("fma");
-        let vnni = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni");
-        [(Body::Avx512Vnni, vnni), (Body::Avx2, avx2)].into_iter().filter(|&(_, on)| on).map(|(b, _)| b).collect()
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma");
+            let vnni = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni");
+            [(Body::Avx512Vnni, vnni), (Body::Avx2, avx2)].into_iter().filter(|&(_, on)| on).map(|(b, _)| b).collect()
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            let dot = std::arch::is_aarch64_feature_detected!("dotprod");
+            if dot {
+                vec![Body::NeonDot]
+            } else {
+                vec![]
+            }
+        }
     }
 
     /// An `(n, k)` matrix of `dtype` whose block `b` of row `r` has scale `0.01 · (1 + (r + b) % 5)` and codes
