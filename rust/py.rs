@@ -751,8 +751,8 @@ fn release_memory(py: Python<'_>) {
     py.detach(crate::allocator::release_memory)
 }
 
-/// The instruction-set level tinyloop's kernels run at: "avx512+vnni", "avx512", "avx2", "neon" or "scalar" (the best the
-/// CPU has, or lower as `TINYLOOP_ISA` asks; `rust/kernels/isa.rs`).
+/// The instruction-set level tinyloop's kernels run at: "avx512+vnni", "avx512", "avx2", "neon+dotprod", "neon" or
+/// "scalar" (the best the CPU has, or lower as `TINYLOOP_ISA` asks; `rust/kernels/isa.rs`).
 #[pyfunction]
 fn isa() -> String {
     crate::kernels::isa::describe()

@@ -56,8 +56,8 @@ PREFILL_CHUNK: int  # prompt tokens a stream prefills per batched step
 WINDOW_SLACK: int  # positions a windowed cache keeps below the window for speculative rollback
 
 def isa() -> str:
-    """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2", "neon" or "scalar" (the best
-    the CPU has, or lower as TINYLOOP_ISA asks)."""
+    """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2", "neon+dotprod", "neon" or
+    "scalar" (the best the CPU has, or lower as TINYLOOP_ISA asks)."""
 
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
