@@ -2,9 +2,11 @@
 tokens/s of the shipped default model (F16) at loops 1 and 8 and its prefill, the default model as Q8_0 (int8), and
 the seed-shaped Q4_0 model, whose weights stream from memory at every token (its bytes per token are recorded for
 the bandwidth bound). Each level runs in its own processes, the levels alternating round by round, so all see the
-same stretch of the machine's load; a level this CPU lacks reports the level it fell back to.
+same stretch of the machine's load; a level this CPU lacks reports the level it fell back to. With the machine's
+limits and llama.cpp on the same models (its unrolled export, greedy, 2 threads) in the same run:
 
-    pytest benches/bench_machine.py benches/bench_isa.py --benchmark-json=.benchmarks/isa.json
+    pytest benches/bench_machine.py benches/bench_isa.py "benches/bench_llama.py::test_decode" -k \
+        "not default-Q4_0 and (machine or isa or llama.cpp)" --benchmark-json=.benchmarks/isa.json
     python benches/report_isa.py .benchmarks/isa.json
 """
 
@@ -14,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,22 @@ from quant_models import DEFAULT, SEED, model_path, random_model, weight_bytes
 
 LEVELS = ["avx512", "avx2", "scalar"]
 ROUNDS = 3
-# name -> (model, loops, tokens per timed generation, prefill length or 0)
-CASES: dict[str, tuple[Callable[[], Path], int, int, int]] = {
-    "default F16, loops 1": (lambda: DEFAULT, 1, 128, 0),
-    "default F16, loops 8": (lambda: DEFAULT, 8, 128, 512),
-    "default int8, loops 8": (lambda: model_path("int8"), 8, 128, 0),
-    "seed Q4_0, loops 8": (lambda: random_model(SEED, "Q4_0"), 8, 16, 0),
+# (model, weight type, loops) -> (tokens per timed generation, prefill length or 0). The model and weight type name
+# the same files as benches/bench_llama.py's cases, whose llama.cpp rows report_isa.py puts beside these.
+CASES: dict[tuple[str, str, int], tuple[int, int]] = {
+    ("default", "F16", 1): (128, 0),
+    ("default", "F16", 8): (128, 384),
+    ("default", "Q8_0", 8): (128, 0),
+    ("seed", "Q4_0", 8): (16, 0),
 }
+
+
+def _path(model: str, weight_type: str) -> Path:
+    if model == "seed":
+        return random_model(SEED, weight_type)
+    return DEFAULT if weight_type == "F16" else model_path({"Q8_0": "int8", "Q4_0": "int4 RTN"}[weight_type])
+
+
 SCRIPT = r"""
 import json, sys, time, tinyloop
 from tinyloop import SamplingParams
@@ -59,14 +69,16 @@ print(json.dumps(out))
 def _run(level: str, path: Path, loops: int, tokens: int, prefill: int) -> dict:
     env = os.environ | {"TINYLOOP_ISA": level}
     args = [sys.executable, "-c", SCRIPT, str(path), str(loops), str(tokens), str(prefill)]
-    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_levels_side_by_side(benchmark, case):
-    model, loops, tokens, prefill = CASES[case]
-    path = model()
+    model, weight_type, loops = case
+    tokens, prefill = CASES[case]
+    path = _path(model, weight_type)
     runs: dict[str, list[dict]] = {level: [] for level in LEVELS}
 
     def round_of_levels():
@@ -81,5 +93,9 @@ def test_levels_side_by_side(benchmark, case):
         levels[got[0]["isa"]] = {key: max(r[key] for r in got) for key in got[0] if key != "isa"}
     assert any(isa.startswith("scalar") for isa in levels), levels
     benchmark.extra_info.update(
-        case=case, loops=loops, levels=levels, bytes_per_token=w["prelude"] + loops * w["block"] + w["head"]
+        model=model,
+        weight_type=weight_type,
+        loops=loops,
+        levels=levels,
+        bytes_per_token=w["prelude"] + loops * w["block"] + w["head"],
     )
