@@ -249,33 +249,136 @@ unsafe fn panel_dots_avx512<W: Dense, const R: usize>(x: &[f32], k: usize, i0: u
     }
 }
 
-/// `panel_dots` in AVX2 vectors of 8 lanes, the same arithmetic. One row's accumulators for a whole panel take 8
-/// of the 16 registers, so the first row runs in one pass (the panel streams from memory, and a pass over half
-/// of each cache line's neighbours wastes the rest); the others, with the panel in cache, run in pairs, each half
-/// panel a pass of its own — three rows, or two over a whole panel, spill.
+/// The order the AVX2 and NEON bodies run a block's `rows` rows in. One row's accumulators for a whole panel take
+/// half the registers, so the first row runs alone over the whole panel (`one(a, out[a..])`: it streams the panel
+/// from memory in order — a pass over half of each line's neighbours would waste the rest); the others, with the
+/// panel in cache, run in pairs over each half panel (`pair(a, out[a..], first output)`) — three rows, or two over
+/// a whole panel, spill.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn row_schedule(
+    rows: usize,
+    out: &mut Block,
+    one: impl Fn(usize, &mut [[f32; PANEL]]),
+    pair: impl Fn(usize, &mut [[f32; PANEL]], usize),
+) {
+    one(0, out);
+    let mut a = 1;
+    while a < rows {
+        if rows - a == 1 {
+            one(a, &mut out[a..]);
+        } else {
+            pair(a, &mut out[a..], 0);
+            pair(a, &mut out[a..], PANEL / 2);
+        }
+        a += 2.min(rows - a);
+    }
+}
+
+/// `panel_dots` in AVX2 vectors of 8 lanes, the same arithmetic, in `row_schedule`'s order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn panel_dots_avx2<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
     assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
-    // The first row alone: it brings the panel into cache in one pass.
-    rows_avx2::<W, 1, 8>(x, k, i0, w, out, 0);
-    let mut a = 1;
-    while a < R {
-        let rows = &mut out[a..];
-        if R - a == 1 {
-            rows_avx2::<W, 1, 8>(x, k, i0 + a, w, rows, 0);
-        } else {
-            rows_avx2::<W, 2, 4>(x, k, i0 + a, w, rows, 0);
-            rows_avx2::<W, 2, 4>(x, k, i0 + a, w, rows, 32);
-        }
-        a += 2.min(R - a);
+    row_schedule(
+        R,
+        out,
+        |a, rows| rows8::<std::arch::x86_64::__m256, W, 1, 8>(x, k, i0 + a, w, rows, 0),
+        |a, rows, o0| rows8::<std::arch::x86_64::__m256, W, 2, 4>(x, k, i0 + a, w, rows, o0),
+    );
+}
+
+/// `panel_dots` in NEON vectors of 4 lanes (two per group of 8 outputs), the same arithmetic, in `row_schedule`'s
+/// order.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn panel_dots_neon<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
+    assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
+    row_schedule(
+        R,
+        out,
+        |a, rows| rows8::<[std::arch::aarch64::float32x4_t; 2], W, 1, 8>(x, k, i0 + a, w, rows, 0),
+        |a, rows, o0| rows8::<[std::arch::aarch64::float32x4_t; 2], W, 2, 4>(x, k, i0 + a, w, rows, o0),
+    );
+}
+
+/// Eight f32 lanes of the bodies below AVX-512: one AVX2 vector, or two NEON vectors. Each method carries its
+/// instruction set's `#[target_feature]`, so it inlines into the body that calls it (`panel_dots_avx2`,
+/// `panel_dots_neon`, whose closures inherit their target features).
+trait Lanes8: Copy {
+    unsafe fn zero() -> Self;
+    unsafe fn splat(v: f32) -> Self;
+    unsafe fn load<W: Dense>(p: *const W) -> Self;
+    /// `self + x · w`, fused.
+    unsafe fn fma(self, x: Self, w: Self) -> Self;
+    unsafe fn store(self, p: *mut f32);
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes8 for std::arch::x86_64::__m256 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn zero() -> Self {
+        std::arch::x86_64::_mm256_setzero_ps()
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn splat(v: f32) -> Self {
+        std::arch::x86_64::_mm256_set1_ps(v)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load<W: Dense>(p: *const W) -> Self {
+        W::load8(p)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fma(self, x: Self, w: Self) -> Self {
+        std::arch::x86_64::_mm256_fmadd_ps(x, w, self)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store(self, p: *mut f32) {
+        std::arch::x86_64::_mm256_storeu_ps(p, self)
     }
 }
 
-/// Outputs `o0..o0 + 8V` of `N` rows for `panel_dots_avx2`, which checked the bounds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<W: Dense, const N: usize, const V: usize>(
+#[cfg(target_arch = "aarch64")]
+impl Lanes8 for [std::arch::aarch64::float32x4_t; 2] {
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn zero() -> Self {
+        [std::arch::aarch64::vdupq_n_f32(0.0); 2]
+    }
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn splat(v: f32) -> Self {
+        [std::arch::aarch64::vdupq_n_f32(v); 2]
+    }
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn load<W: Dense>(p: *const W) -> Self {
+        W::load8(p)
+    }
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn fma(self, x: Self, w: Self) -> Self {
+        use std::arch::aarch64::vfmaq_f32;
+        [vfmaq_f32(self[0], x[0], w[0]), vfmaq_f32(self[1], x[1], w[1])]
+    }
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn store(self, p: *mut f32) {
+        std::arch::aarch64::vst1q_f32(p, self[0]);
+        std::arch::aarch64::vst1q_f32(p.add(4), self[1]);
+    }
+}
+
+/// Outputs `o0..o0 + 8V` of `N` rows, in groups of 8 lanes (`row_schedule`'s passes; the caller checked the
+/// bounds): each output one lane that takes one fused multiply-add per input position, in order.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn rows8<L: Lanes8, W: Dense, const N: usize, const V: usize>(
     x: &[f32],
     k: usize,
     i0: usize,
@@ -283,75 +386,21 @@ unsafe fn rows_avx2<W: Dense, const N: usize, const V: usize>(
     out: &mut [[f32; PANEL]],
     o0: usize,
 ) {
-    use std::arch::x86_64::*;
     let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr().add(o0));
-    let mut acc = [[_mm256_setzero_ps(); V]; N];
+    let mut acc = [[L::zero(); V]; N];
     for c in 0..k {
         let wc = wp.add(c * PANEL);
-        let xs: [__m256; N] = std::array::from_fn(|a| _mm256_set1_ps(*xp.add(a * k + c)));
+        let xs: [L; N] = std::array::from_fn(|a| L::splat(*xp.add(a * k + c)));
         for t in 0..V {
-            let wt = W::load8(wc.add(8 * t));
+            let wt = L::load(wc.add(8 * t));
             for (acc_a, xa) in acc.iter_mut().zip(&xs) {
-                acc_a[t] = _mm256_fmadd_ps(*xa, wt, acc_a[t]);
+                acc_a[t] = acc_a[t].fma(*xa, wt);
             }
         }
     }
     for (dst, acc_a) in out.iter_mut().zip(&acc) {
         for (t, v) in acc_a.iter().enumerate() {
-            _mm256_storeu_ps(dst.as_mut_ptr().add(o0 + 8 * t), *v);
-        }
-    }
-}
-
-/// `panel_dots` in NEON vectors of 4 lanes, the same arithmetic. A panel's 64 accumulators take 16 of the 32
-/// registers: the first row runs alone over the whole panel (streaming it from memory in order), the others in
-/// pairs over each half panel.
-#[cfg(target_arch = "aarch64")]
-#[target_feature(enable = "neon")]
-unsafe fn panel_dots_neon<W: Dense, const R: usize>(x: &[f32], k: usize, i0: usize, w: &[W], out: &mut Block) {
-    assert!(x.len() >= (i0 + R) * k && w.len() >= k * PANEL && R <= MR);
-    rows_neon::<W, 1, 8>(x, k, i0, w, out, 0);
-    let mut a = 1;
-    while a < R {
-        let rows = &mut out[a..];
-        if R - a == 1 {
-            rows_neon::<W, 1, 8>(x, k, i0 + a, w, rows, 0);
-        } else {
-            rows_neon::<W, 2, 4>(x, k, i0 + a, w, rows, 0);
-            rows_neon::<W, 2, 4>(x, k, i0 + a, w, rows, 32);
-        }
-        a += 2.min(R - a);
-    }
-}
-
-/// Outputs `o0..o0 + 8V` of `N` rows for `panel_dots_neon`, which checked the bounds.
-#[cfg(target_arch = "aarch64")]
-#[target_feature(enable = "neon")]
-unsafe fn rows_neon<W: Dense, const N: usize, const V: usize>(
-    x: &[f32],
-    k: usize,
-    i0: usize,
-    w: &[W],
-    out: &mut [[f32; PANEL]],
-    o0: usize,
-) {
-    use std::arch::aarch64::*;
-    let (xp, wp) = (x.as_ptr().add(i0 * k), w.as_ptr().add(o0));
-    let mut acc = [[[vdupq_n_f32(0.0); 2]; V]; N];
-    for c in 0..k {
-        let wc = wp.add(c * PANEL);
-        let xs: [float32x4_t; N] = std::array::from_fn(|a| vdupq_n_f32(*xp.add(a * k + c)));
-        for t in 0..V {
-            let wt = W::load8(wc.add(8 * t));
-            for (acc_a, xa) in acc.iter_mut().zip(&xs) {
-                acc_a[t] = [vfmaq_f32(acc_a[t][0], *xa, wt[0]), vfmaq_f32(acc_a[t][1], *xa, wt[1])];
-            }
-        }
-    }
-    for (dst, acc_a) in out.iter_mut().zip(&acc) {
-        for (t, [lo, hi]) in acc_a.iter().enumerate() {
-            vst1q_f32(dst.as_mut_ptr().add(o0 + 8 * t), *lo);
-            vst1q_f32(dst.as_mut_ptr().add(o0 + 8 * t + 4), *hi);
+            v.store(dst.as_mut_ptr().add(o0 + 8 * t));
         }
     }
 }
