@@ -147,7 +147,7 @@ pub unsafe fn attend_rows(
     }
 }
 
-/// One slot of an f16 KV cache: keys and values `[kv_head][cap][head_dim]`.
+/// One slot of an f16 KV cache: keys and values `[kv_head][cap][head_dim]` (`cap`: the positions allocated per head).
 pub struct F16Heads<'a> {
     pub keys: &'a [f16],
     pub values: &'a [f16],

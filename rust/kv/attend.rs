@@ -35,8 +35,8 @@ impl RowLayout<'_> {
     }
 }
 
-/// What one call knows of its cache: the attention shape, a slot's capacity, the window, and whether rows are
-/// Hadamard-rotated ("int4-h").
+/// What one call knows of its cache: the attention shape, the positions a slot may hold (the sequence's capacity),
+/// the window, and whether rows are Hadamard-rotated ("int4-h").
 #[derive(Clone, Copy)]
 pub(super) struct Ctx {
     pub shape: AttnShape,
@@ -45,23 +45,24 @@ pub(super) struct Ctx {
     pub rotate: bool,
 }
 
-/// One slot's stored rows, `[kv_head][cap][head_dim / PACK]`, and their metadata, `[kv_head][cap]`; index `t`
-/// holds position `base + t`.
+/// One slot's stored rows, `[kv_head][stride][head_dim / PACK]`, and their metadata, `[kv_head][stride]`; index
+/// `t` holds position `base + t`.
 pub(super) struct SlotView<'a, T: KvElem> {
     pub keys: &'a [T],
     pub values: &'a [T],
     pub k_meta: &'a [T::Meta],
     pub v_meta: &'a [T::Meta],
     pub base: usize,
+    pub stride: usize,
 }
 
 /// Attend the query rows `q` (`(n, n_heads·head_dim)`, laid out as `layout`) over `slot` into `out`.
 pub(super) fn attend<T: KvElem>(slot: SlotView<T>, ctx: Ctx, layout: &RowLayout, q: &[f32], out: &mut [f32]) {
-    let Ctx { shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, cap, window, rotate } = ctx;
+    let Ctx { shape: AttnShape { n_heads, n_kv_heads, head_dim: hd }, window, rotate, .. } = ctx;
     let w = hd / T::PACK;
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let SlotView { keys: ks, values: vs, k_meta: kms, v_meta: vms, base } = slot;
+    let SlotView { keys: ks, values: vs, k_meta: kms, v_meta: vms, base, stride: cap } = slot;
     let work: usize =
         layout.prefix.iter().map(|&p| p.min(if window > 0 { window } else { p })).sum::<usize>() * n_heads * hd;
     #[cfg(target_arch = "x86_64")]

@@ -1,11 +1,13 @@
-//! The KV cache: one slot per (prelude layer) and per (loop, block layer), each preallocated for the sequence's
-//! capacity and written in place. Each slot keeps its own length, because a draft pass fills only the first
-//! loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
+//! The KV cache: one slot per (prelude layer) and per (loop, block layer), written in place. A slot's buffers grow
+//! with the positions it holds (doubling, up to the sequence's capacity), so a request costs memory for the context
+//! it uses, not for the whole context length: 16 fresh requests on a 2,048-wide model with 32 slots would
+//! otherwise zero 4 GiB before their first token. Each slot keeps its own length, because a draft pass fills only
+//! the first loops' slots and verification fills the rest later; `truncate` rolls every slot back at once.
 //!
 //! Modes (`KvKind`, element formats in `elem.rs`): f32 for models whose weights are F32 and f16 for every other
 //! model (together the API's "fp16"), "int8", "int4", and "int4-h" (int4 after a Hadamard rotation of each head).
-//! Slot layout is `[kv_head][position][head_dim]`, so one head's keys are contiguous for the attention dot products;
-//! per-row metadata (scales) is `[kv_head][position]`.
+//! Slot layout is `[kv_head][stride][head_dim]` (`stride`: the positions allocated per head), so one head's keys are
+//! contiguous for the attention dot products; per-row metadata (scales) is `[kv_head][stride]`.
 //!
 //! Sliding window (`cache_window = W > 0`): a row at position p attends to positions `p-W+1..=p` only, and a slot
 //! keeps just the positions some future row can still see (plus `WINDOW_SLACK` for speculative rollback): when a
@@ -61,19 +63,43 @@ struct Slot<T: KvElem> {
     base: usize,
     /// One past the last position held.
     len: usize,
+    /// Positions allocated per head (grows up to the cache's capacity).
+    stride: usize,
 }
 
+/// Positions a slot allocates per head at first.
+const FIRST_STRIDE: usize = 64;
+
 impl<T: KvElem> Slot<T> {
-    fn new(heads: usize, cap: usize, hd: usize) -> Self {
-        let n = heads * cap * hd / T::PACK;
-        Self {
-            k: vec![T::default(); n],
-            v: vec![T::default(); n],
-            k_meta: vec![T::Meta::default(); heads * cap],
-            v_meta: vec![T::Meta::default(); heads * cap],
-            base: 0,
-            len: 0,
+    fn new() -> Self {
+        Self { k: Vec::new(), v: Vec::new(), k_meta: Vec::new(), v_meta: Vec::new(), base: 0, len: 0, stride: 0 }
+    }
+
+    /// Make room for indices `0..need` in every head: at least double the stride (bounded by `cap`), moving each
+    /// head's held rows to the new layout.
+    fn reserve(&mut self, heads: usize, hd: usize, need: usize, cap: usize) {
+        if need <= self.stride {
+            return;
         }
+        let stride = need.max(2 * self.stride).max(FIRST_STRIDE).min(cap.max(need));
+        let (w, held) = (hd / T::PACK, self.len - self.base);
+        let regrow = |old: &[T], old_stride: usize| {
+            let mut new = vec![T::default(); heads * stride * w];
+            for g in 0..heads {
+                new[g * stride * w..][..held * w].copy_from_slice(&old[g * old_stride * w..][..held * w]);
+            }
+            new
+        };
+        let regrow_meta = |old: &[T::Meta], old_stride: usize| {
+            let mut new = vec![T::Meta::default(); heads * stride];
+            for g in 0..heads {
+                new[g * stride..][..held].copy_from_slice(&old[g * old_stride..][..held]);
+            }
+            new
+        };
+        (self.k, self.v) = (regrow(&self.k, self.stride), regrow(&self.v, self.stride));
+        (self.k_meta, self.v_meta) = (regrow_meta(&self.k_meta, self.stride), regrow_meta(&self.v_meta, self.stride));
+        self.stride = stride;
     }
 }
 
@@ -207,12 +233,11 @@ impl KvCache {
         let ctx =
             Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H };
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
-        let (heads, cap) = (n_kv_heads, self.capacity);
         let buf = entry.get_or_insert_with(|| match self.kind {
-            KvKind::F32 => SlotBuf::F32(Slot::new(heads, cap, head_dim)),
-            KvKind::F16 => SlotBuf::F16(Slot::new(heads, cap, head_dim)),
-            KvKind::Int8 => SlotBuf::I8(Slot::new(heads, cap, head_dim)),
-            KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new(heads, cap, head_dim)),
+            KvKind::F32 => SlotBuf::F32(Slot::new()),
+            KvKind::F16 => SlotBuf::F16(Slot::new()),
+            KvKind::Int8 => SlotBuf::I8(Slot::new()),
+            KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new()),
         });
         each_slot!(buf, s => {
             s.write(ctx, layout, k, v)?;
@@ -223,17 +248,17 @@ impl KvCache {
 
     /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
     pub fn move_position(&mut self, from: usize, to: usize) {
-        let (heads, cap, hd) = (self.shape.n_kv_heads, self.capacity, self.shape.head_dim);
+        let (heads, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
         for slot in self.slots.iter_mut().flatten() {
-            each_slot!(slot, s => s.move_position(heads, cap, hd, from, to));
+            each_slot!(slot, s => s.move_position(heads, hd, from, to));
         }
     }
 }
 
 impl<T: KvElem> Slot<T> {
     /// Drop positions below `keep` by moving `keep..len` to the front of every head.
-    fn compact(&mut self, heads: usize, cap: usize, hd: usize, keep: usize) {
-        let (shift, live) = (keep - self.base, self.len - keep);
+    fn compact(&mut self, heads: usize, hd: usize, keep: usize) {
+        let (shift, live, cap) = (keep - self.base, self.len - keep, self.stride);
         let w = hd / T::PACK;
         for g in 0..heads {
             let (src, dst) = ((g * cap + shift) * w, g * cap * w);
@@ -262,8 +287,10 @@ impl<T: KvElem> Slot<T> {
             if hi - keep >= cap {
                 return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
             }
-            self.compact(n_kv_heads, cap, hd, keep);
+            self.compact(n_kv_heads, hd, keep);
         }
+        self.reserve(n_kv_heads, hd, hi + 1 - self.base, cap);
+        let cap = self.stride;
         let mut tmp = vec![0f32; hd];
         for (i, &at) in layout.store.iter().enumerate() {
             let at = at - self.base;
@@ -285,14 +312,21 @@ impl<T: KvElem> Slot<T> {
 
     /// What attention reads of this slot.
     fn view(&self) -> SlotView<'_, T> {
-        SlotView { keys: &self.k, values: &self.v, k_meta: &self.k_meta, v_meta: &self.v_meta, base: self.base }
+        SlotView {
+            keys: &self.k,
+            values: &self.v,
+            k_meta: &self.k_meta,
+            v_meta: &self.v_meta,
+            base: self.base,
+            stride: self.stride,
+        }
     }
 
-    fn move_position(&mut self, heads: usize, cap: usize, hd: usize, from: usize, to: usize) {
+    fn move_position(&mut self, heads: usize, hd: usize, from: usize, to: usize) {
         if from >= self.len || from < self.base || to < self.base {
             return;
         }
-        let (from, to, w) = (from - self.base, to - self.base, hd / T::PACK);
+        let (from, to, w, cap) = (from - self.base, to - self.base, hd / T::PACK, self.stride);
         for g in 0..heads {
             let (src, dst) = ((g * cap + from) * w, (g * cap + to) * w);
             self.k.copy_within(src..src + w, dst);
@@ -482,6 +516,42 @@ mod tests {
         assert!(same(&whole, &run(&[7, 13, 2, 17], false)), "uneven chunks");
         assert!(same(&whole, &run(&[1], false)), "row by row");
         assert!(same(&whole, &run(&[5, 9], true)), "tree rows");
+    }
+
+    /// Slots grow as positions arrive (64, then doubling): decoding row by row across two regrowths, with a rollback
+    /// on the way, gives the same bits as one prefill that sizes the slot at once; nothing near the capacity is
+    /// allocated up front.
+    #[test]
+    fn growing_slots_keep_every_row_and_allocate_only_what_is_used() {
+        let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 };
+        let (n, qw, kw, cap) = (200, 256, 128, 100_000);
+        let (q, k, v) = (pseudo(n * qw, 21), pseudo(n * kw, 22), pseudo(n * kw, 23));
+        for kind in [KvKind::F32, KvKind::F16, KvKind::Int8, KvKind::Int4H] {
+            let mut whole = KvCache::new(kind, shape, cap, 1);
+            let mut want = vec![0.0; n * qw];
+            whole.write_and_attend(0, 0, &k, &v, &q, &mut want).unwrap();
+            let mut grown = KvCache::new(kind, shape, cap, 1);
+            let (mut i, mut rolled_back) = (0, false);
+            while i < n {
+                let mut o = vec![0.0; qw];
+                grown
+                    .write_and_attend(0, i, &k[i * kw..][..kw], &v[i * kw..][..kw], &q[i * qw..][..qw], &mut o)
+                    .unwrap();
+                assert_eq!(o, want[i * qw..(i + 1) * qw], "{kind:?} row {i}");
+                if i == 130 && !rolled_back {
+                    grown.truncate(100); // roll back across a regrowth, then decode again
+                    (i, rolled_back) = (100, true);
+                } else {
+                    i += 1;
+                }
+            }
+            let stride = |c: &KvCache| match &c.slots[0] {
+                Some(buf) => each_slot!(buf, s => s.stride),
+                None => 0,
+            };
+            assert_eq!(stride(&grown), 256, "{kind:?}");
+            assert_eq!(stride(&whole), 200, "{kind:?}");
+        }
     }
 
     #[test]
