@@ -53,6 +53,11 @@ pub const MAX_CONTROL_TOKENS: usize = 1024;
 
 /// Below this many multiply-adds a matmul runs on the calling thread (a pool round trip costs more).
 pub const PARALLEL_MIN: usize = 1 << 18;
+/// A batched step whose model has at most this many bytes of layer weights (prelude and looped block) runs its
+/// sequences in one group per pool thread rather than spreading each matmul over the pool (`Model::run_blocks`):
+/// weights this small stay in the last-level cache, so reading them once per thread costs less than the pool's
+/// round trips. Larger models stream their weights from memory, and each thread reading them would double that.
+pub const SPLIT_MAX_BYTES: usize = 16 << 20;
 /// Below this many query-key products an attention call runs on the calling thread (a pool round trip per layer
 /// costs more than short contexts' attention).
 pub const ATTN_PARALLEL_MIN: usize = 1 << 16;

@@ -5,7 +5,9 @@
 //! Stages nest: `Step` (one `Generator::step` or `step_many` call) holds the rest; `Blocks` (the prelude and the
 //! loops) holds `Matmul` (the layers' weight products) and `Attention` (RoPE, the KV-cache write and attention);
 //! what `Blocks` holds beyond those two is norms, residual adds and activations. Each stage is timed on the thread
-//! that runs it, as wall time, so parallel work inside a stage counts once.
+//! that runs it, as wall time, so parallel work inside a stage counts once — except where a batched step runs its
+//! sequences in one group per thread (`Model::run_blocks`): there `Matmul` and `Attention` add up every group's
+//! time, and may sum to more than `Blocks`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;

@@ -57,6 +57,14 @@ impl Layer {
         })
     }
 
+    /// Whether every weight product runs tinyloop's own kernels (each row's output independent of the rows beside
+    /// it, and run on the calling thread below `PARALLEL_MIN`).
+    pub(super) fn own_kernels(&self) -> bool {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
+            .iter()
+            .all(|w| matches!(w, Linear::Own(_)))
+    }
+
     /// This layer over the rows of every sequence. Norms, residuals and the SwiGLU gate run here on plain rows (a
     /// pool round trip per element-wise op would cost more than the op at decode sizes); matmuls in `Linear`.
     pub(super) fn forward(

@@ -31,7 +31,7 @@ pub use rows::{LogitRows, RowBlock, SeqChunk, TreeRows};
 use crate::error::Result;
 use crate::kernels::AttnShape;
 use crate::kv::{KvCache, KvKind};
-use crate::limits::MAX_LOOPS;
+use crate::limits::{MAX_LOOPS, SPLIT_MAX_BYTES};
 use crate::profile::{self, Stage};
 
 pub struct Model {
@@ -46,6 +46,8 @@ pub struct Model {
     block: Vec<Layer>,
     rope: Rope,
     kv_kind: KvKind,
+    /// Whether `run_blocks` runs a batch's sequences in one group per thread (see there).
+    split_batches: bool,
 }
 
 /// candle's AVX-512 VNNI kernels for Q8_0 (repacked tiles, for one row and for many) need the output count to be a
@@ -76,14 +78,32 @@ impl Model {
         let embd = Linear::new(embd_t)?;
         let head = if tied { embd.clone() } else { Linear::new(head_t)? };
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
-        let prelude =
+        let layer_bytes: usize = tensors
+            .iter()
+            .filter(|(name, _)| name.starts_with("pre.") || name.starts_with("blk."))
+            .map(|(_, t)| t.storage_size_in_bytes())
+            .sum();
+        let prelude: Vec<Layer> =
             (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
         let block =
             (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
         let rope = Rope::new(&cfg);
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
         let use_draft_head = draft_head.is_some();
-        Ok(Self { cfg, embd, head, draft_head, use_draft_head, output_norm, prelude, block, rope, kv_kind })
+        let split_batches = layer_bytes <= SPLIT_MAX_BYTES && prelude.iter().chain(&block).all(Layer::own_kernels);
+        Ok(Self {
+            cfg,
+            embd,
+            head,
+            draft_head,
+            use_draft_head,
+            output_norm,
+            prelude,
+            block,
+            rope,
+            kv_kind,
+            split_batches,
+        })
     }
 
     pub fn kv_kind(&self) -> KvKind {
@@ -138,8 +158,33 @@ impl Model {
     /// Advance several sequences' rows, each through its own loop range, in shared passes: every loop runs once,
     /// over the rows of all blocks whose range holds it (the prelude first, for blocks starting at loop 0). This is
     /// how a speculative draft or verification shares its weight reads with plain rows of other sequences.
+    ///
+    /// When the layers' weights are small enough to stay in the last-level cache (`SPLIT_MAX_BYTES`) and all run
+    /// tinyloop's own kernels, the sequences are split into one group per pool thread, each group run on its own
+    /// thread: a thread reads every weight once more, from the cache, instead of every matmul and attention call
+    /// waking the pool (about a hundred round trips per step on the default model, each costing about as much as
+    /// its matmul). Each row's arithmetic is the same either way: those kernels' outputs do not depend on the rows
+    /// beside them. (candle's Q8_0 kernels, which the others leave some shapes to, ran 16 streams slower split.)
     pub fn run_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
-        profile::time(Stage::Blocks, || self.run_row_blocks(blocks))
+        let parts = if self.split_batches { rayon::current_num_threads() } else { 1 };
+        profile::time(Stage::Blocks, || self.run_split(blocks, parts))
+    }
+
+    /// `run_row_blocks` over `parts` groups of blocks holding about equal numbers of rows, in parallel.
+    fn run_split(&self, blocks: &mut [RowBlock], parts: usize) -> Result<()> {
+        if parts < 2 || blocks.len() < 2 {
+            return self.run_row_blocks(blocks);
+        }
+        let rows: usize = blocks.iter().map(|b| b.seq.tokens.len()).sum();
+        let target = rows * (parts / 2) / parts;
+        let (mut at, mut before) = (1, blocks[0].seq.tokens.len());
+        while at < blocks.len() - 1 && before + blocks[at].seq.tokens.len() <= target {
+            before += blocks[at].seq.tokens.len();
+            at += 1;
+        }
+        let (first, second) = blocks.split_at_mut(at);
+        let (a, b) = rayon::join(|| self.run_split(first, parts / 2), || self.run_split(second, parts - parts / 2));
+        a.and(b)
     }
 
     fn run_row_blocks(&self, blocks: &mut [RowBlock]) -> Result<()> {
