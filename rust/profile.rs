@@ -5,9 +5,10 @@
 //! Stages nest: `Step` (one `Generator::step` or `step_many` call) holds the rest; `Blocks` (the prelude and the
 //! loops) holds `Matmul` (the layers' weight products) and `Attention` (RoPE, the KV-cache write and attention);
 //! what `Blocks` holds beyond those two is norms, residual adds and activations. Each stage is timed on the thread
-//! that runs it, as wall time, so parallel work inside a stage counts once — except where a batched step runs its
-//! sequences in one group per thread (`Model::run_blocks`): there `Matmul` and `Attention` add up every group's
-//! time, and may sum to more than `Blocks`.
+//! that runs it, as wall time, so parallel work inside a stage counts once. Where a batched step runs its sequences
+//! in one group per thread (`Model::run_blocks`), the stages inside `Blocks` are timed in the first group only
+//! (`muted` silences the others): the groups hold about equal rows and run side by side, so one group's stages
+//! split `Blocks`' wall time as the whole step's would.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -48,13 +49,17 @@ impl Stage {
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    /// This thread's stages are not timed (`muted`).
+    static MUTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 static NANOS: [AtomicU64; Stage::ALL.len()] = [const { AtomicU64::new(0) }; Stage::ALL.len()];
 static CALLS: [AtomicU64; Stage::ALL.len()] = [const { AtomicU64::new(0) }; Stage::ALL.len()];
 
 /// Run `f`, adding its wall time to `stage` while profiling is on.
 #[inline]
 pub fn time<T>(stage: Stage, f: impl FnOnce() -> T) -> T {
-    if !ON.load(Ordering::Relaxed) {
+    if !ON.load(Ordering::Relaxed) || MUTED.get() {
         return f();
     }
     let start = Instant::now();
@@ -63,6 +68,19 @@ pub fn time<T>(stage: Stage, f: impl FnOnce() -> T) -> T {
     NANOS[stage as usize].fetch_add(nanos, Ordering::Relaxed);
     CALLS[stage as usize].fetch_add(1, Ordering::Relaxed);
     out
+}
+
+/// Run `f` with this thread's stage timing off (a parallel group whose stages another group's timing stands for).
+pub fn muted<T>(f: impl FnOnce() -> T) -> T {
+    /// Puts the flag back however `f` ends (a panic is caught further up, and the pool thread lives on).
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            MUTED.set(self.0);
+        }
+    }
+    let _restore = Restore(MUTED.replace(true));
+    f()
 }
 
 /// Zero the totals and start timing.

@@ -183,7 +183,10 @@ impl Model {
             at += 1;
         }
         let (first, second) = blocks.split_at_mut(at);
-        let (a, b) = rayon::join(|| self.run_split(first, parts / 2), || self.run_split(second, parts - parts / 2));
+        let (a, b) = rayon::join(
+            || self.run_split(first, parts / 2),
+            || profile::muted(|| self.run_split(second, parts - parts / 2)),
+        );
         a.and(b)
     }
 
