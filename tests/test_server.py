@@ -518,3 +518,43 @@ def test_native_stop_mixes_strings_and_token_ids(server, tiny_engine):
     first = free.tokens.index(by_id)
     assert r["tokens"] == free.tokens[:first] and r["finish_reason"] == "stop"
     assert r["stats"]["stop_reason"] == "eosFound"  # a stop token ends it as EOS would (LM Studio has no other name)
+
+
+TOKENIZE_TEXT = "Unicode 媽 and emoji 🤗 <|endoftext|> end"
+
+
+def test_tokenize_is_tiktokens_gpt2_in_llama_cpps_shapes(server):
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
+
+    enc = tiktoken_gpt2()
+    r = httpx.post(f"{server}/tokenize", json={"content": TOKENIZE_TEXT})
+    assert r.status_code == 200 and r.json() == {"tokens": enc.encode(TOKENIZE_TEXT, allowed_special="all")}
+    assert 50256 in r.json()["tokens"]  # parse_special defaults to true, as in llama.cpp
+    plain = httpx.post(f"{server}/tokenize", json={"content": TOKENIZE_TEXT, "parse_special": False}).json()
+    assert plain["tokens"] == enc.encode_ordinary(TOKENIZE_TEXT) and 50256 not in plain["tokens"]
+    # GPT-2's tokenizer puts no special token before a text: add_special changes nothing.
+    assert httpx.post(f"{server}/tokenize", json={"content": "x", "add_special": True}).json()["tokens"] == [87]
+    pieces = httpx.post(f"{server}/tokenize", json={"content": TOKENIZE_TEXT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == r.json()["tokens"]
+    for p in pieces:
+        raw = enc.decode_single_token_bytes(p["id"])
+        try:
+            assert p["piece"] == raw.decode("utf-8")
+        except UnicodeDecodeError:
+            assert p["piece"] == list(raw)  # part of a character: its bytes, as llama.cpp gives them
+    assert any(isinstance(p["piece"], list) for p in pieces)  # the emoji's bytes are split across tokens
+
+
+def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(server):
+    ids = httpx.post(f"{server}/tokenize", json={"content": TOKENIZE_TEXT}).json()["tokens"]
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids}).json() == {"content": TOKENIZE_TEXT}
+    assert httpx.post(f"{server}/detokenize", json={"tokens": []}).json() == {"content": ""}
+    for bad in (50257, -1, 2**40):
+        r = httpx.post(f"{server}/detokenize", json={"tokens": [1, bad]})
+        assert (
+            r.status_code == 400 and r.json()["error"]["param"] == "tokens" and str(bad) in r.json()["error"]["message"]
+        )
+    r = httpx.post(f"{server}/detokenize", json={"tokens": ["1"]})
+    assert r.status_code == 422  # strict types: a string is not a token id
+    r = httpx.post(f"{server}/tokenize", json={"content": "x", "n_probs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n_probs"  # unimplemented fields are refused

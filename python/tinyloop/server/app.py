@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import anthropic, compact, lmstudio, native, openai, responses
+from . import anthropic, compact, lmstudio, native, openai, responses, tokens
 from .config import ServerConfig
+from .defaults import ConfigError, load_defaults
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics
@@ -46,6 +47,11 @@ def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
     metrics = Metrics()
     engine = runner = None
     error = cfg.kv_mode_error()
+    defaults: dict = {}
+    try:
+        defaults = load_defaults(cfg.generate_config)
+    except ConfigError as e:
+        error = error or str(e)
     if error is None:
         try:
             engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
@@ -64,12 +70,13 @@ def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
     state = ServerState(
         engine=engine,
         runner=runner,
-        model_id=cfg.served_model_name or str(cfg.model_path),
+        model_id=cfg.served_model_name or cfg.model_path.stem,
         load_error=error,
         kv_cache_mode=cfg.kv_cache_mode(),
         commit=cfg.commit,
         max_tokens_limit=cfg.max_tokens_limit,
         started=int(time.time()),
+        generate_defaults=defaults,
     )
     return state, metrics
 
@@ -152,6 +159,6 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics_json():
         return metrics.snapshot()
 
-    for family in (openai, responses, compact, anthropic, lmstudio, native):
+    for family in (openai, responses, compact, anthropic, lmstudio, native, tokens):
         app.include_router(family.router)
     return app
