@@ -31,20 +31,30 @@ def test_failed_model_load_still_serves_503(tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="m", prompt="x")
         assert e.value.status_code == 503 and "Engine not loaded" in e.value.message
-        assert client.models.list().data[0].id == str(bad)
+        assert client.models.list().data[0].id == "broken"  # the file's stem: no filesystem path in an id
+
+
+def test_the_model_id_is_the_file_stem(tiny):
+    with running_server(tiny.path) as base:
+        ids = [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
+        assert ids == [tiny.path.stem] and "/" not in ids[0]
+        body = {"model": "anything", "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["model"] == "anything"
 
 
 @pytest.mark.parametrize(
-    "env,mode",
+    "args,env,mode",
     [
-        ({"TINYLOOP_KV_INT8": "1"}, "int8"),
-        ({"TINYLOOP_KV_INT4": "1"}, "int4"),
-        ({"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_H_MODE": "1"}, "int4-h"),
+        ([], {"TINYLOOP_KV_INT8": "1"}, "int8"),
+        ([], {"TINYLOOP_KV_INT4": "1"}, "int4"),
+        ([], {"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_H_MODE": "1"}, "int4-h"),
+        ([], {"TINYLOOP_KV_CACHE": "int8"}, "int8"),
+        (["--kv-cache", "int4-h"], {}, "int4-h"),
+        (["--kv-cache", "int4"], {"TINYLOOP_KV_CACHE": "int8"}, "int4"),  # the flag wins
     ],
 )
-def test_kv_mode_from_the_environment(tiny, env, mode):
-    """The environment's KV-cache modes, served: the reported mode, and the same greedy tokens as the engine in that
-    mode."""
+def test_kv_mode_from_the_flag_or_the_environment(tiny, args, env, mode):
+    """The KV-cache modes, served: the reported mode, and the same greedy tokens as the engine in that mode."""
     import tinyloop
 
     want = (
@@ -52,7 +62,7 @@ def test_kv_mode_from_the_environment(tiny, env, mode):
         .generate("x", tinyloop.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), loops=3)
         .tokens
     )
-    with running_server(tiny.path, env=env) as base:
+    with running_server(tiny.path, *args, env=env) as base:
         r = httpx.post(f"{base}/generate", json={"prompt": "x", "max_tokens": 6, "loops": 3}, timeout=30).json()
         assert r["tokens"][: len(want)] == want[: len(r["tokens"])] and len(r["tokens"]) >= 1
         info = httpx.post(
@@ -66,6 +76,36 @@ def test_bad_kv_env_combinations_are_clear_load_errors(tiny):
         assert "TINYLOOP_KV_INT4" in httpx.get(f"{base}/health").json()["reason"]
     with running_server(tiny.path, env={"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_INT8": "1"}, expect_health=503) as base:
         assert "choose one" in httpx.get(f"{base}/health").json()["reason"]
+    with running_server(tiny.path, env={"TINYLOOP_KV_CACHE": "int3"}, expect_health=503) as base:
+        reason = httpx.get(f"{base}/health").json()["reason"]
+        assert "'int3'" in reason and "int4-h" in reason
+    with running_server(tiny.path, env={"TINYLOOP_KV_CACHE": "int8", "TINYLOOP_KV_INT4": "1"}, expect_health=503) as b:
+        assert "TINYLOOP_KV_CACHE alone" in httpx.get(f"{b}/health").json()["reason"]
+
+
+def test_every_flag_has_an_environment_variable(monkeypatch):
+    from tinyloop.server.cli import parse
+
+    monkeypatch.setenv("TINYLOOP_HOST", "127.0.0.2")
+    monkeypatch.setenv("TINYLOOP_PORT", "8123")
+    monkeypatch.setenv("TINYLOOP_LOG_LEVEL", "warning")
+    args = parse([])
+    assert (args.host, args.port, args.log_level) == ("127.0.0.2", 8123, "warning")
+    args = parse(["--host", "127.0.0.3", "--port", "9000", "--log-level", "debug"])
+    assert (args.host, args.port, args.log_level) == ("127.0.0.3", 9000, "debug")
+
+
+@pytest.mark.parametrize(
+    "env,word", [({"TINYLOOP_PORT": "80000"}, "TINYLOOP_PORT"), ({"TINYLOOP_LOG_LEVEL": "loud"}, "TINYLOOP_LOG_LEVEL")]
+)
+def test_bad_environment_values_are_usage_errors(env, word, monkeypatch, capsys):
+    from tinyloop.server.cli import parse
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        parse([])
+    assert e.value.code == 2 and word in capsys.readouterr().err
 
 
 def test_cache_window_is_served(tiny):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter
 from pydantic import Field
@@ -141,6 +141,7 @@ class Conversation(Strict):
 
 class MessagesRequest(Conversation):
     max_tokens: int = ranged(..., 1, MAX_TOKENS_LIMIT)  # required, as Anthropic requires it
+    DEFAULT_ALIASES: ClassVar[dict[str, str]] = {"stop": "stop_sequences"}
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float = ranged(1.0, 0.0, 1.0)
@@ -183,6 +184,7 @@ class MessagesRequest(Conversation):
 
 
 async def plan(state: ServerState, req: MessagesRequest) -> Plan:
+    req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     prompts = await tokenize(state, [req.prompt()])
     engine, _ = state.require_engine()

@@ -11,25 +11,33 @@ import logging
 import os
 import sys
 
-from .config import DEFAULT_MODEL, api_keys
+from .config import DEFAULT_MODEL, KV_CACHE_MODES, api_keys
+from .defaults import ConfigError, load_defaults
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 ENV_HELP = """environment variables:
+  TINYLOOP_HOST, TINYLOOP_PORT  address and port to listen on (default 127.0.0.1:8000)
   TINYLOOP_MODEL_PATH         model file (default: the embedded default model)
   TINYLOOP_MAX_SEQ_LEN        longest prompt + output, in tokens (default: the model's context length)
-  TINYLOOP_SERVED_MODEL_NAME  id reported by /v1/models (default: the model path)
+  TINYLOOP_SERVED_MODEL_NAME  id reported by /v1/models (default: the model file's name without .tinyloop)
   TINYLOOP_API_KEY            API keys, comma-separated: every route but /health then needs
                               'Authorization: Bearer <key>' (or 'x-api-key: <key>')
   TINYLOOP_API_KEY_FILE       a file of API keys, one per line (added to TINYLOOP_API_KEY's)
   TINYLOOP_MAX_RUNNING        requests generated at once, batched step by step; more wait (default 16)
   TINYLOOP_MAX_WAITING        requests that may wait; past it the server answers 503 + Retry-After (default 256)
+  TINYLOOP_KV_CACHE           KV-cache mode: fp16 (default), int8, int4 or int4-h
   TINYLOOP_KV_INT8, TINYLOOP_KV_INT4, TINYLOOP_KV_H_MODE
-                              KV-cache mode (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8,
-                              none -> fp16; H_MODE without INT4, or INT4 with INT8, is a load error
+                              the same as switches (1 = on): INT4+H_MODE -> int4-h, INT4 -> int4, INT8 -> int8;
+                              H_MODE without INT4, INT4 with INT8, or any with TINYLOOP_KV_CACHE is a load error
+  TINYLOOP_GENERATE_CONFIG    a JSON file of generation defaults (sampling fields and loops) for the fields a
+                              request leaves out
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
   TINYLOOP_REQUEST_TIMEOUT    seconds of wall time a request may take, queueing included; past it the
                               generation ends with finish_reason "aborted" (default 600; 0: no limit)
   TINYLOOP_THREADS            compute threads (default: one per core); sets RAYON_NUM_THREADS for the engine
+  TINYLOOP_LOG_LEVEL          debug, info (default), warning or error
   TINYLOOP_COMMIT             runtime.commit in /api/v0 responses (default: the commit built from)
   TINYLOOP_ISA                the engine's kernels at most at this level: avx512, avx2 or scalar (default: the
                               best the CPU has; runtime.isa in /api/v0 responses reports the one in use)
@@ -43,11 +51,32 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=ENV_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    env = os.environ
+    p.add_argument(
+        "--host",
+        default=env.get("TINYLOOP_HOST") or "127.0.0.1",
+        help="address to bind, else TINYLOOP_HOST, else 127.0.0.1 (this machine only)",
+    )
+    p.add_argument("--port", type=_port, default=None, help="else TINYLOOP_PORT, else 8000")
     p.add_argument("--model", default=None, help="model file (else TINYLOOP_MODEL_PATH, else the embedded default)")
     p.add_argument("--max-seq-len", type=int, default=None, help="else TINYLOOP_MAX_SEQ_LEN, else the model's context")
-    p.add_argument("--served-model-name", default=None, help="else TINYLOOP_SERVED_MODEL_NAME, else the model path")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="else TINYLOOP_SERVED_MODEL_NAME, else the model file's name without .tinyloop",
+    )
+    p.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_MODES,
+        default=None,
+        help="KV-cache mode, else TINYLOOP_KV_CACHE (or the older switches), else fp16",
+    )
+    p.add_argument(
+        "--generate-config",
+        default=None,
+        metavar="FILE",
+        help="JSON defaults for the sampling fields and loops a request leaves out, else TINYLOOP_GENERATE_CONFIG",
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -77,14 +106,42 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="compute threads, else TINYLOOP_THREADS, else one per core; fewer than the cores keeps decode "
         "steady when other processes compete for them",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--isa",
+        default=None,
+        help="kernels at most at this level (avx512, avx2, neon, scalar), else TINYLOOP_ISA, else the CPU's best",
+    )
+    p.add_argument("--commit", default=None, help="runtime.commit in /api/v0, else TINYLOOP_COMMIT, else the build's")
+    p.add_argument(
+        "--log-level",
+        default=env.get("TINYLOOP_LOG_LEVEL") or "info",
+        choices=LOG_LEVELS,
+        help="else TINYLOOP_LOG_LEVEL, else info",
+    )
     args = p.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:
+        p.error(f"TINYLOOP_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    if args.port is None:
+        try:
+            args.port = _port(env.get("TINYLOOP_PORT") or "8000")
+        except argparse.ArgumentTypeError as e:
+            p.error(f"TINYLOOP_PORT: {e}")
     if args.threads is None and os.environ.get("TINYLOOP_THREADS"):
         try:
             args.threads = _positive(os.environ["TINYLOOP_THREADS"])
         except argparse.ArgumentTypeError as e:
             p.error(f"TINYLOOP_THREADS: {e}")
     return args
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return n
 
 
 def _positive(text: str) -> int:
@@ -110,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_MAX_BODY_BYTES", args.max_body_bytes),
         ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
         ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
+        ("TINYLOOP_KV_CACHE", args.kv_cache),
+        ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
+        ("TINYLOOP_ISA", args.isa),
+        ("TINYLOOP_COMMIT", args.commit),
     ]:
         if value is not None:
             os.environ[env] = str(value)
@@ -122,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         keys = api_keys(os.environ.get("TINYLOOP_API_KEY"), os.environ.get("TINYLOOP_API_KEY_FILE"))
     except OSError as e:
         log.error("cannot read the API key file: %s", e)
+        return 2
+    try:
+        load_defaults(os.environ.get("TINYLOOP_GENERATE_CONFIG"))
+    except ConfigError as e:
+        log.error("%s", e)
         return 2
     if not keys and not _is_loopback(args.host):
         log.warning(

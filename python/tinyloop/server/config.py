@@ -11,6 +11,7 @@ from .protocol import MAX_TOKENS_LIMIT
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default.tinyloop"
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB JSON body holds a prompt of ~500k token ids: past any context length
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds of wall time one request may take, queueing included
+KV_CACHE_MODES = ("fp16", "int8", "int4", "int4-h")
 
 
 def _flag(name: str) -> bool:
@@ -25,6 +26,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_running: int = 16
     max_waiting: int = 256
+    kv_cache: str | None = None  # --kv-cache / TINYLOOP_KV_CACHE; else the older INT8 / INT4 / H_MODE switches
     kv_int8: bool = False
     kv_int4: bool = False
     kv_h_mode: bool = False
@@ -32,6 +34,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    generate_config: str | None = None  # a JSON file of generation defaults (defaults.py)
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -44,6 +47,7 @@ class ServerConfig:
             api_keys=api_keys(env.get("TINYLOOP_API_KEY"), env.get("TINYLOOP_API_KEY_FILE")),
             max_running=int(env.get("TINYLOOP_MAX_RUNNING") or 16),
             max_waiting=int(env.get("TINYLOOP_MAX_WAITING") or 256),
+            kv_cache=env.get("TINYLOOP_KV_CACHE") or None,
             kv_int8=_flag("TINYLOOP_KV_INT8"),
             kv_int4=_flag("TINYLOOP_KV_INT4"),
             kv_h_mode=_flag("TINYLOOP_KV_H_MODE"),
@@ -51,11 +55,15 @@ class ServerConfig:
             max_body_bytes=int(env.get("TINYLOOP_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES),
             max_tokens_limit=int(env.get("TINYLOOP_MAX_TOKENS_LIMIT") or MAX_TOKENS_LIMIT),
             request_timeout=float(env.get("TINYLOOP_REQUEST_TIMEOUT") or DEFAULT_REQUEST_TIMEOUT),
+            generate_config=env.get("TINYLOOP_GENERATE_CONFIG") or None,
         )
 
     def kv_cache_mode(self) -> str:
-        """The environment's KV-cache mode (docs/api.md): INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8, nothing set
-        is fp16 (`kv_mode_error` rejects H_MODE without INT4, and INT4 with INT8)."""
+        """The KV-cache mode (docs/api.md): `kv_cache` when set; else INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8,
+        nothing set is fp16 (`kv_mode_error` rejects an unknown mode, H_MODE without INT4, INT4 with INT8, and
+        `kv_cache` together with the switches)."""
+        if self.kv_cache is not None:
+            return self.kv_cache
         if self.kv_int4:
             return "int4-h" if self.kv_h_mode else "int4"
         if self.kv_int8:
@@ -63,6 +71,14 @@ class ServerConfig:
         return "fp16"
 
     def kv_mode_error(self) -> str | None:
+        if self.kv_cache is not None:
+            if self.kv_cache not in KV_CACHE_MODES:
+                modes = ", ".join(KV_CACHE_MODES)
+                return f"TINYLOOP_KV_CACHE={self.kv_cache!r} is not a KV-cache mode; choose one of {modes}"
+            if self.kv_int4 or self.kv_int8 or self.kv_h_mode:
+                return (
+                    "TINYLOOP_KV_CACHE and TINYLOOP_KV_INT8 / _INT4 / _H_MODE are both set; use TINYLOOP_KV_CACHE alone"
+                )
         if self.kv_h_mode and not self.kv_int4:
             return "TINYLOOP_KV_H_MODE=1 needs TINYLOOP_KV_INT4=1 (the Hadamard mode rotates the int4 cache)"
         if self.kv_int4 and self.kv_int8:

@@ -43,6 +43,7 @@ def new_id(prefix: str) -> str:
 
 
 async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
+    req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     prompts = await tokenize(state, [render_chat(req.messages, req.tool_use())])
     stop = req.stops(CHAT_DEFAULT_STOP)
@@ -50,6 +51,7 @@ async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
 
 
 async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
+    req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     p = req.prompt
     if isinstance(p, str):

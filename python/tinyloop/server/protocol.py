@@ -291,6 +291,7 @@ class GenerateRequest(Strict):
     """POST /generate: the native shape with its own defaults."""
 
     prompt: str | list[int]
+    DEFAULT_ALIASES: ClassVar[dict[str, str]] = {"seed": "sample_seed"}
     max_tokens: int = ranged(DEFAULT_MAX_TOKENS, 1, MAX_TOKENS_LIMIT)
     loops: int = ranged(8, 1, MAX_LOOPS)
     temperature: float = ranged(0.0, 0.0, 2.0)

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter
 from pydantic import Field, model_validator
@@ -94,6 +94,7 @@ class ResponsesRequest(Strict):
     input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
     instructions: str | None = None
     max_output_tokens: int | None = ranged(None, 1, MAX_TOKENS_LIMIT)
+    DEFAULT_ALIASES: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens"}
     temperature: float = ranged(1.0, 0.0, 2.0)
     top_p: float = ranged(1.0, 0.0, 1.0)
     stream: bool = False
@@ -181,6 +182,7 @@ class ResponsesRequest(Strict):
 
 
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
+    req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     prompts = await tokenize(state, [render_chat(req.conversation(), req.tool_use())])
     tools = req.tool_use()

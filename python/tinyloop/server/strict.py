@@ -7,7 +7,8 @@ silently ignored, except the fields the schemas declare as ignored and docs/api.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +23,22 @@ def ranged(default: Any, lo: float, hi: float) -> Any:
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    # The field a server default (`--generate-config`, `defaults.py`) sets, where this schema names it otherwise.
+    DEFAULT_ALIASES: ClassVar[dict[str, str]] = {}
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> None:
+        """Take the server's defaults for the fields this request did not send (a field sent as null counts as not
+        sent). A default this schema has no field for, or outside the field's range here, is not applied."""
+        fields = type(self).model_fields
+        for key, value in defaults.items():
+            name = self.DEFAULT_ALIASES.get(key, key)
+            if name not in fields or name in self.model_fields_set:
+                continue
+            extra = fields[name].json_schema_extra
+            if isinstance(extra, dict) and "minimum" in extra and not extra["minimum"] <= value <= extra["maximum"]:  # type: ignore[operator]
+                continue
+            setattr(self, name, value)
 
     def check_ranges(self) -> None:
         """Every `ranged` field within its range."""
