@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, Request
@@ -22,12 +23,13 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import anthropic, compact, lmstudio, native, openai, responses, tokens
+from . import anthropic, compact, lmstudio, native, openai, profiling, responses, tokens
 from .config import ServerConfig
 from .defaults import ConfigError, load_defaults
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics
+from .profiling import Profiler
 from .runner import EngineRunner
 from .state import ServerState
 
@@ -77,6 +79,7 @@ def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
         max_tokens_limit=cfg.max_tokens_limit,
         started=int(time.time()),
         generate_defaults=defaults,
+        profiler=Profiler(Path(cfg.profile_dir)) if cfg.profile_dir else None,
     )
     return state, metrics
 
@@ -161,4 +164,6 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
 
     for family in (openai, responses, compact, anthropic, lmstudio, native, tokens):
         app.include_router(family.router)
+    if state.profiler is not None:
+        app.include_router(profiling.router)
     return app

@@ -32,6 +32,7 @@ ENV_HELP = """environment variables:
                               H_MODE without INT4, INT4 with INT8, or any with TINYLOOP_KV_CACHE is a load error
   TINYLOOP_GENERATE_CONFIG    a JSON file of generation defaults (sampling fields and loops) for the fields a
                               request leaves out
+  TINYLOOP_PROFILE_DIR        enables POST /start_profile and /stop_profile, which write profiles here
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
   TINYLOOP_REQUEST_TIMEOUT    seconds of wall time a request may take, queueing included; past it the
@@ -76,6 +77,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="JSON defaults for the sampling fields and loops a request leaves out, else TINYLOOP_GENERATE_CONFIG",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="enable POST /start_profile and /stop_profile, writing to DIR; else TINYLOOP_PROFILE_DIR",
     )
     p.add_argument(
         "--api-key",
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
         ("TINYLOOP_KV_CACHE", args.kv_cache),
         ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
+        ("TINYLOOP_PROFILE_DIR", args.profile),
         ("TINYLOOP_ISA", args.isa),
         ("TINYLOOP_COMMIT", args.commit),
     ]:

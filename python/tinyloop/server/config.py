@@ -35,6 +35,7 @@ class ServerConfig:
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     generate_config: str | None = None  # a JSON file of generation defaults (defaults.py)
+    profile_dir: str | None = None  # where /stop_profile writes (profiling.py); None: no profiling routes
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -56,6 +57,7 @@ class ServerConfig:
             max_tokens_limit=int(env.get("TINYLOOP_MAX_TOKENS_LIMIT") or MAX_TOKENS_LIMIT),
             request_timeout=float(env.get("TINYLOOP_REQUEST_TIMEOUT") or DEFAULT_REQUEST_TIMEOUT),
             generate_config=env.get("TINYLOOP_GENERATE_CONFIG") or None,
+            profile_dir=env.get("TINYLOOP_PROFILE_DIR") or None,
         )
 
     def kv_cache_mode(self) -> str:

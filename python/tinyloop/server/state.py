@@ -29,6 +29,7 @@ class ServerState:
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     # `--generate-config`: defaults for the sampling fields and loops a request does not send (defaults.py).
     generate_defaults: dict[str, Any] = field(default_factory=dict)
+    profiler: Any = None  # `--profile DIR`: a profiling.Profiler, else None (the routes are not mounted)
     started: int = 0  # Unix time the server started: the model's `created`
     # Prompts are encoded here, off the event loop. A pool of its own, of a fixed size, rather than asyncio's
     # default one (up to 32 threads, created as bursts of requests arrive): the server's threads and the memory
