@@ -9,6 +9,7 @@ TINYLOOP_REQUEST_TIMEOUT, TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MO
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics
 from .profiling import Profiler
+from .residency import Residency, busy_error
 from .runner import EngineRunner
 from .state import ServerState
 
@@ -45,26 +47,31 @@ def _error(e: APIError, request: Request) -> ORJSONResponse:
     return ORJSONResponse(e.body_for(request.url.path), status_code=e.status, headers=e.headers)
 
 
-def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
+def load_engine(cfg: ServerConfig, metrics: Metrics) -> tuple[Engine, EngineRunner]:
+    """The model and its engine thread (raises the engine's load errors)."""
+    engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
+    runner = EngineRunner(
+        engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout
+    )
+    metrics.threads.set(num_threads())
+    return engine, runner
+
+
+def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metrics]:
     metrics = Metrics()
-    engine = runner = None
+    engine = runner = residency = None
     error = cfg.kv_mode_error()
     defaults: dict = {}
     try:
         defaults = load_defaults(cfg.generate_config)
     except ConfigError as e:
         error = error or str(e)
-    if error is None:
+    if error is None and cfg.dynamic_residency():
+        residency = Residency(lambda: load_engine(cfg, metrics), metrics, inflight, cfg.idle_unload_seconds)
+    elif error is None:
         try:
-            engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
-            runner = EngineRunner(
-                engine,
-                metrics,
-                max_running=cfg.max_running,
-                max_waiting=cfg.max_waiting,
-                request_timeout=cfg.request_timeout,
-            )
-            metrics.threads.set(num_threads())
+            engine, runner = load_engine(cfg, metrics)
+            metrics.model_resident.set(1)
         except TinyloopError as e:
             error = str(e)
     if error:
@@ -72,6 +79,7 @@ def load_state(cfg: ServerConfig) -> tuple[ServerState, Metrics]:
     state = ServerState(
         engine=engine,
         runner=runner,
+        residency=residency,
         model_id=cfg.served_model_name or cfg.model_path.stem,
         load_error=error,
         kv_cache_mode=cfg.kv_cache_mode(),
@@ -126,13 +134,18 @@ def _error_handlers(app: FastAPI) -> None:
 
 def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     cfg = cfg or ServerConfig.from_env()
-    state, metrics = load_state(cfg)
     inflight = InFlight()
+    state, metrics = load_state(cfg, inflight)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        install_drain(state.runner, inflight)
+        install_drain(lambda: state.runner, inflight)
+        watcher = None
+        if state.residency is not None and state.residency.idle_seconds > 0:
+            watcher = asyncio.create_task(state.residency.watch_idle(state))
         yield
+        if watcher is not None:
+            watcher.cancel()
         if state.runner is not None:
             state.runner.abort_all("the server is shutting down")
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -148,11 +161,27 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine is None:
+        if state.load_error is not None or (state.engine is None and state.residency is None):
             return ORJSONResponse(
                 {"status": "error", "reason": f"Engine not loaded: {state.load_error}"}, status_code=503
             )
+        if state.residency is not None:  # loaded on demand: say whether it is now
+            return {"status": "ok", "resident": state.engine is not None}
         return {"status": "ok"}
+
+    @app.post("/v1/models/unload")
+    async def unload():
+        if state.residency is None:
+            raise APIError(
+                409,
+                "the model stays loaded for the server's lifetime: start it with --lazy-load or "
+                "--idle-unload-seconds to unload it",
+                code="static_residency",
+            )
+        was = state.engine is not None
+        if was and not await state.residency.unload(state, own=1):
+            raise busy_error(inflight.count - 1)
+        return {"id": state.model_id, "resident": False, "unloaded": was}
 
     @app.get("/metrics")
     async def prometheus():

@@ -32,6 +32,8 @@ ENV_HELP = """environment variables:
                               H_MODE without INT4, INT4 with INT8, or any with TINYLOOP_KV_CACHE is a load error
   TINYLOOP_GENERATE_CONFIG    a JSON file of generation defaults (sampling fields and loops) for the fields a
                               request leaves out
+  TINYLOOP_LAZY_LOAD          1: load the model on the first request that needs it, not at start-up
+  TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds without a request (implies lazy loading)
   TINYLOOP_PROFILE_DIR        enables POST /start_profile and /stop_profile, which write profiles here
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
@@ -77,6 +79,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="JSON defaults for the sampling fields and loops a request leaves out, else TINYLOOP_GENERATE_CONFIG",
+    )
+    p.add_argument(
+        "--lazy-load",
+        action="store_true",
+        default=None,
+        help="load the model on the first request that needs it (else TINYLOOP_LAZY_LOAD)",
+    )
+    p.add_argument(
+        "--idle-unload-seconds",
+        type=_seconds,
+        default=None,
+        help="unload the model after this many seconds without a request; implies --lazy-load "
+        "(else TINYLOOP_IDLE_UNLOAD_SECONDS, else never)",
     )
     p.add_argument(
         "--profile",
@@ -151,6 +166,16 @@ def _port(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    try:
+        n = float(text)
+    except ValueError:
+        n = -1.0
+    if not n > 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return n
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -177,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_KV_CACHE", args.kv_cache),
         ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
         ("TINYLOOP_PROFILE_DIR", args.profile),
+        ("TINYLOOP_LAZY_LOAD", "1" if args.lazy_load else None),
+        ("TINYLOOP_IDLE_UNLOAD_SECONDS", args.idle_unload_seconds),
         ("TINYLOOP_ISA", args.isa),
         ("TINYLOOP_COMMIT", args.commit),
     ]:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 from .gate import InFlight
 from .runner import EngineRunner
@@ -22,7 +23,8 @@ DRAIN_SECONDS = 3.0  # the longest wait for answers in flight before the server 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def install_drain(runner: EngineRunner | None, inflight: InFlight) -> None:
+def install_drain(runner: Callable[[], EngineRunner | None], inflight: InFlight) -> None:
+    """`runner` gives the engine runner of the moment (None while the model is not loaded)."""
     loop = asyncio.get_running_loop()
     handlers = getattr(loop, "_signal_handlers", None)  # asyncio's Unix loops keep the registered handles here
     if not isinstance(handlers, dict):
@@ -38,8 +40,9 @@ def install_drain(runner: EngineRunner | None, inflight: InFlight) -> None:
             return
         started = True
         log.info("%s: ending %s request(s) in flight, then stopping", sig.name, inflight.count)
-        if runner is not None:
-            runner.abort_all("the server is shutting down")
+        current = runner()
+        if current is not None:
+            current.abort_all("the server is shutting down")
         draining.add(loop.create_task(_drain_then(inflight, previous.get(sig))))
 
     for sig in _SIGNALS:

@@ -38,6 +38,7 @@ class Metrics:
             "tinyloop_draft_tokens_accepted", "Draft tokens accepted, by mode", ["mode"], registry=r
         )
         self.threads = Gauge("tinyloop_threads", "Compute threads of the engine", registry=r)
+        self.model_resident = Gauge("tinyloop_model_resident", "1 while the model is loaded, else 0", registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
         self.client_disconnects = Counter(
             "tinyloop_client_disconnects",

@@ -43,7 +43,8 @@ def _malloc_trim():
 _TRIM = _malloc_trim()
 
 
-def _release_memory() -> None:
+def release_all_memory() -> None:
+    """Hand the memory both allocators hold but do not use back to the system."""
     release_memory()
     if _TRIM is not None:
         _TRIM(0)
@@ -104,6 +105,7 @@ class EngineRunner:
         self.steps = 0  # batched steps run so far
         self._trimmed = time.monotonic()
         self._closing: str | None = None  # set by `abort_all`: why new work is refused
+        self._stopped = False  # set by `close`: the engine thread ends once nothing runs or waits
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
         self._cv = threading.Condition()
@@ -147,6 +149,20 @@ class EngineRunner:
             self._closing = reason
             self._cv.notify()
 
+    def close(self) -> None:
+        """End the engine thread and wait for it (the model is being unloaded: nothing runs or waits, and the
+        server sends no more work here)."""
+        with self._cv:
+            self._closing = self._closing or "the model is being unloaded"
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    def idle(self) -> bool:
+        """Nothing running or waiting."""
+        with self._cv:
+            return not self._running and not self._waiting
+
     def _drop_cancelled_waiting(self) -> None:
         """Forget waiting jobs whose client went away (caller holds the lock)."""
         if any(j.cancelled for j in self._waiting):
@@ -187,14 +203,14 @@ class EngineRunner:
                     return ending
                 while self._waiting and len(self._running) < self.max_running:
                     self._running.append(self._waiting.popleft())
-                if self._running:
+                if self._running or self._stopped:
                     return []
                 self.metrics.requests_waiting.set(len(self._waiting))
                 self._trim(idle=True)
                 self._cv.wait()
 
     def _loop(self) -> None:
-        while True:
+        while not (self._stopped and not self._running and not self._waiting):
             try:
                 self._iteration()
             except Exception as e:
@@ -226,7 +242,7 @@ class EngineRunner:
     def _trim(self, idle: bool) -> None:
         now = time.monotonic()
         if idle or now - self._trimmed > TRIM_SECONDS:
-            _release_memory()
+            release_all_memory()
             self._trimmed = now
 
     def _step(self, active: list[Job]) -> list:

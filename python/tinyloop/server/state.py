@@ -13,6 +13,7 @@ from .. import __version__
 from .._core import Engine, isa
 from ..errors import APIError
 from .protocol import MAX_TOKENS_LIMIT
+from .residency import NO_LOAD, Residency
 from .runner import EngineRunner
 
 TOKENIZER_THREADS = 2  # encoding releases the GIL; prompts take milliseconds, the engine thread is the bottleneck
@@ -30,6 +31,7 @@ class ServerState:
     # `--generate-config`: defaults for the sampling fields and loops a request does not send (defaults.py).
     generate_defaults: dict[str, Any] = field(default_factory=dict)
     profiler: Any = None  # `--profile DIR`: a profiling.Profiler, else None (the routes are not mounted)
+    residency: Residency | None = None  # `--lazy-load` / `--idle-unload-seconds`; None: loaded at start, for good
     started: int = 0  # Unix time the server started: the model's `created`
     # Prompts are encoded here, off the event loop. A pool of its own, of a fixed size, rather than asyncio's
     # default one (up to 32 threads, created as bursts of requests arrive): the server's threads and the memory
@@ -71,7 +73,10 @@ class ServerState:
 async def server_state(request: Request) -> ServerState:
     # `async`: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request and up to 40
     # threads under load.
-    return request.app.state.tinyloop
+    state: ServerState = request.app.state.tinyloop
+    if state.residency is not None and request.url.path not in NO_LOAD:
+        await state.residency.ensure(state)
+    return state
 
 
 State = Annotated[ServerState, Depends(server_state)]
