@@ -50,9 +50,9 @@ def test_idle_unload_after_the_given_seconds(tiny):
     with running_server(tiny.path, "--idle-unload-seconds", "0.5") as base:
         first = completion_text(base)
         assert httpx.get(f"{base}/health").json()["resident"] is True
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 20  # health probes every 50 ms must not keep the model loaded
         while httpx.get(f"{base}/health").json()["resident"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert httpx.get(f"{base}/health").json() == {"status": "ok", "resident": False}
         assert completion_text(base) == first
 

@@ -33,7 +33,8 @@ ENV_HELP = """environment variables:
   TINYLOOP_GENERATE_CONFIG    a JSON file of generation defaults (sampling fields and loops) for the fields a
                               request leaves out
   TINYLOOP_LAZY_LOAD          1: load the model on the first request that needs it, not at start-up
-  TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds without a request (implies lazy loading)
+  TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds in which no request needed it (implies
+                              lazy loading; health probes and metrics scrapes do not count)
   TINYLOOP_PROFILE_DIR        enables POST /start_profile and /stop_profile, which write profiles here
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)

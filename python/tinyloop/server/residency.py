@@ -1,6 +1,7 @@
 """Dynamic model residency: `--lazy-load` loads the model when the first request that needs it arrives (`/health`,
 `/metrics` and the model list never load it), and `--idle-unload-seconds N` (which implies lazy loading) unloads it
-after N seconds without a request in flight; `POST /v1/models/unload` unloads it at once when nothing is in flight.
+once N seconds have passed in which no request needed it (probes and scrapes do not count) and nothing is in
+flight; `POST /v1/models/unload` unloads it at once when nothing else is in flight.
 Without either flag the model is loaded at start-up and stays (`ServerState.residency` is None).
 
 One lock orders loads and unloads. An unload first checks that no HTTP request is in flight (the gate counts them
@@ -80,11 +81,14 @@ class Residency:
             return True
 
     async def watch_idle(self, state: ServerState) -> None:
-        """Unload the model after `idle_seconds` without a request in flight (runs for the server's lifetime)."""
+        """Unload the model once `idle_seconds` have passed since a request last needed it and the engine has
+        nothing to do (runs for the server's lifetime). Probes and metrics scrapes do not count as use: a
+        liveness probe every second must not keep a model loaded. The unload itself still waits for a moment with
+        no request in flight at all."""
         while True:
             await asyncio.sleep(min(1.0, self.idle_seconds / 4))
             now = time.monotonic()
-            if self.inflight.count > 0:
+            if state.runner is not None and not state.runner.idle():
                 self._last_busy = now
             elif state.engine is not None and now - self._last_busy >= self.idle_seconds:
                 await self.unload(state)
