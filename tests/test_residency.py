@@ -87,7 +87,7 @@ class _Runner:
 
 class _State:
     def __init__(self, runner):
-        self.engine, self.runner = object(), runner
+        self.engine, self.runner, self.model_id = object(), runner, "m"
 
 
 @pytest.mark.parametrize("in_flight,idle,unloads", [(0, True, True), (1, True, False), (0, False, False)])
@@ -96,7 +96,7 @@ def test_unload_never_takes_the_model_from_a_request(in_flight, idle, unloads, m
     monkeypatch.setattr("tinyloop.server.residency.release_all_memory", lambda: None)
     inflight = InFlight()
     inflight.count = in_flight
-    residency = Residency(lambda: (object(), object()), Metrics(), inflight)  # type: ignore[arg-type, return-value]
+    residency = Residency(lambda _: (object(), object()), {}, "m", Metrics(), inflight)  # type: ignore[arg-type, return-value]
     runner = _Runner(idle)
     state = _State(runner)
     assert asyncio.run(residency.unload(state)) is unloads  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics
 from .profiling import Profiler
-from .residency import Residency, busy_error
+from .residency import CatalogError, Residency, busy_error, scan_catalog
 from .runner import EngineRunner
 from .state import ServerState
 
@@ -47,14 +47,36 @@ def _error(e: APIError, request: Request) -> ORJSONResponse:
     return ORJSONResponse(e.body_for(request.url.path), status_code=e.status, headers=e.headers)
 
 
-def load_engine(cfg: ServerConfig, metrics: Metrics) -> tuple[Engine, EngineRunner]:
-    """The model and its engine thread (raises the engine's load errors)."""
-    engine = Engine(cfg.model_path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
+def load_engine(cfg: ServerConfig, metrics: Metrics, path: Path) -> tuple[Engine, EngineRunner]:
+    """The model at `path` and its engine thread (raises the engine's load errors)."""
+    engine = Engine(path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
     runner = EngineRunner(
         engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout
     )
     metrics.threads.set(num_threads())
     return engine, runner
+
+
+def make_residency(cfg: ServerConfig, metrics: Metrics, inflight: InFlight) -> tuple[Residency, str]:
+    """Residency on demand (residency.py): over the `--models-dir` catalog, or the one model; and the id of the model
+    a request naming none gets."""
+    if cfg.models_dir:
+        catalog = scan_catalog(cfg.models_dir)
+        given = next((i for i, p in catalog.items() if p.resolve() == cfg.model_path.resolve()), None)
+        default = given or min(catalog)
+    else:
+        default = cfg.served_model_name or cfg.model_path.stem
+        catalog = {default: cfg.model_path}
+    residency = Residency(
+        lambda path: load_engine(cfg, metrics, path),
+        catalog,
+        default,
+        metrics,
+        inflight,
+        cfg.idle_unload_seconds,
+        named=cfg.models_dir is not None,
+    )
+    return residency, default
 
 
 def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metrics]:
@@ -66,11 +88,15 @@ def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metr
         defaults = load_defaults(cfg.generate_config)
     except ConfigError as e:
         error = error or str(e)
+    model_id = cfg.served_model_name or cfg.model_path.stem
     if error is None and cfg.dynamic_residency():
-        residency = Residency(lambda: load_engine(cfg, metrics), metrics, inflight, cfg.idle_unload_seconds)
+        try:
+            residency, model_id = make_residency(cfg, metrics, inflight)
+        except CatalogError as e:
+            error = str(e)
     elif error is None:
         try:
-            engine, runner = load_engine(cfg, metrics)
+            engine, runner = load_engine(cfg, metrics, cfg.model_path)
             metrics.model_resident.set(1)
         except TinyloopError as e:
             error = str(e)
@@ -80,7 +106,7 @@ def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metr
         engine=engine,
         runner=runner,
         residency=residency,
-        model_id=cfg.served_model_name or cfg.model_path.stem,
+        model_id=model_id,
         load_error=error,
         kv_cache_mode=cfg.kv_cache_mode(),
         commit=cfg.commit,

@@ -13,6 +13,7 @@ import sys
 
 from .config import DEFAULT_MODEL, KV_CACHE_MODES, api_keys
 from .defaults import ConfigError, load_defaults
+from .residency import CatalogError, scan_catalog
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -32,6 +33,7 @@ ENV_HELP = """environment variables:
                               H_MODE without INT4, INT4 with INT8, or any with TINYLOOP_KV_CACHE is a load error
   TINYLOOP_GENERATE_CONFIG    a JSON file of generation defaults (sampling fields and loops) for the fields a
                               request leaves out
+  TINYLOOP_MODELS_DIR         serve every .tinyloop under this directory by its file name, one loaded at a time
   TINYLOOP_LAZY_LOAD          1: load the model on the first request that needs it, not at start-up
   TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds in which no request needed it (implies
                               lazy loading; health probes and metrics scrapes do not count)
@@ -80,6 +82,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="JSON defaults for the sampling fields and loops a request leaves out, else TINYLOOP_GENERATE_CONFIG",
+    )
+    p.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every .tinyloop under DIR by its file name; a request's model picks one, loaded on demand "
+        "(else TINYLOOP_MODELS_DIR)",
     )
     p.add_argument(
         "--lazy-load",
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_KV_CACHE", args.kv_cache),
         ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
         ("TINYLOOP_PROFILE_DIR", args.profile),
+        ("TINYLOOP_MODELS_DIR", args.models_dir),
         ("TINYLOOP_LAZY_LOAD", "1" if args.lazy_load else None),
         ("TINYLOOP_IDLE_UNLOAD_SECONDS", args.idle_unload_seconds),
         ("TINYLOOP_ISA", args.isa),
@@ -222,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         load_defaults(os.environ.get("TINYLOOP_GENERATE_CONFIG"))
-    except ConfigError as e:
+        if os.environ.get("TINYLOOP_MODELS_DIR"):
+            if os.environ.get("TINYLOOP_SERVED_MODEL_NAME"):
+                raise CatalogError(
+                    "--served-model-name names the one model; with --models-dir each model is named by its file"
+                )
+            scan_catalog(os.environ["TINYLOOP_MODELS_DIR"])
+    except (ConfigError, CatalogError) as e:
         log.error("%s", e)
         return 2
     if not keys and not _is_loopback(args.host):

@@ -36,6 +36,7 @@ class ServerConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     generate_config: str | None = None  # a JSON file of generation defaults (defaults.py)
     profile_dir: str | None = None  # where /stop_profile writes (profiling.py); None: no profiling routes
+    models_dir: str | None = None  # serve every .tinyloop under it, one resident at a time (residency.py)
     lazy_load: bool = False  # load the model on the first request that needs it (residency.py)
     idle_unload_seconds: float = 0.0  # unload it after this long without a request (0: never); implies lazy_load
 
@@ -60,13 +61,14 @@ class ServerConfig:
             request_timeout=float(env.get("TINYLOOP_REQUEST_TIMEOUT") or DEFAULT_REQUEST_TIMEOUT),
             generate_config=env.get("TINYLOOP_GENERATE_CONFIG") or None,
             profile_dir=env.get("TINYLOOP_PROFILE_DIR") or None,
+            models_dir=env.get("TINYLOOP_MODELS_DIR") or None,
             lazy_load=_flag("TINYLOOP_LAZY_LOAD"),
             idle_unload_seconds=float(env.get("TINYLOOP_IDLE_UNLOAD_SECONDS") or 0.0),
         )
 
     def dynamic_residency(self) -> bool:
         """Whether the model is loaded on demand (and may be unloaded) rather than at start-up for good."""
-        return self.lazy_load or self.idle_unload_seconds > 0
+        return self.lazy_load or self.idle_unload_seconds > 0 or self.models_dir is not None
 
     def kv_cache_mode(self) -> str:
         """The KV-cache mode (docs/api.md): `kv_cache` when set; else INT4 (+ H_MODE) is int4 (int4-h), INT8 is int8,

@@ -63,10 +63,11 @@ class ServerState:
         return {"name": "tinyloop", "version": __version__, "commit": self.commit, "isa": isa()}
 
     def models(self) -> dict[str, Any]:
-        """The model list (`/v1/models`, `/api/v0/models`)."""
+        """The model list (`/v1/models`, `/api/v0/models`): the `--models-dir` catalog, or the one model."""
+        ids = self.residency.listed(self) if self.residency is not None else [self.model_id]
         return {
             "object": "list",
-            "data": [{"id": self.model_id, "object": "model", "created": self.started, "owned_by": "tinyloop"}],
+            "data": [{"id": i, "object": "model", "created": self.started, "owned_by": "tinyloop"} for i in ids],
         }
 
 
@@ -75,8 +76,21 @@ async def server_state(request: Request) -> ServerState:
     # threads under load.
     state: ServerState = request.app.state.tinyloop
     if state.residency is not None and request.url.path not in NO_LOAD:
-        await state.residency.ensure(state)
+        await state.residency.ensure(state, await _named_model(request) if state.residency.named else None)
     return state
+
+
+async def _named_model(request: Request) -> str | None:
+    """The `model` a request's JSON body names, if any (the gate has already refused malformed JSON; FastAPI has
+    already read the body, so this parses the cached bytes)."""
+    if request.method != "POST":
+        return None
+    try:
+        body = await request.json()
+    except ValueError:  # an empty body: the route's schema answers for it
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
 
 
 State = Annotated[ServerState, Depends(server_state)]
