@@ -166,34 +166,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
-    return n
+def _checked(convert, ok, what: str):
+    """An argparse type: `convert` the text and accept the value where `ok(value)`; else a usage error saying what
+    was expected."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        n = float(text)
-    except ValueError:
-        n = -1.0
-    if not n > 0 or n == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return n
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return n
+_port = _checked(int, lambda n: 0 <= n <= 65535, "a port number 0-65535")
+_seconds = _checked(float, lambda s: 0 < s < float("inf"), "a number of seconds > 0")
+_positive = _checked(int, lambda n: n >= 1, "a whole number >= 1")
 
 
 def main(argv: list[str] | None = None) -> int:
