@@ -12,7 +12,8 @@ use pyo3::types::PyBytes;
 
 use crate::error::Error;
 use crate::generate::{
-    step_batch, Engine as RsEngine, Generation as RsGeneration, Generator, Speculative as RsSpeculative, Step,
+    step_batch, Engine as RsEngine, Generation as RsGeneration, Generator, PromptCache, Speculative as RsSpeculative,
+    Step,
 };
 use crate::grammar::Grammar as RsGrammar;
 use crate::kv::KvCache;
@@ -377,6 +378,8 @@ struct Completion {
     text: String,
     finish_reason: String,
     prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prompt cache.
+    cached_tokens: usize,
     completion_tokens: usize,
     draft_rounds: usize,
     draft_proposed: usize,
@@ -445,6 +448,19 @@ impl TokenStream {
     #[getter]
     fn prompt_tokens(&self) -> usize {
         self.generator.prompt_len()
+    }
+
+    /// End the stream (its request is over): its KV goes to the prompt cache and its memory is freed.
+    fn release(&mut self, py: Python<'_>) {
+        self.done = true;
+        let generator = &mut self.generator;
+        py.detach(|| generator.release());
+    }
+
+    /// Prompt tokens whose KV came from the prompt cache (not prefilled; known from the first step on).
+    #[getter]
+    fn cached_tokens(&self) -> usize {
+        self.generator.cached_tokens()
     }
 
     /// Bytes of KV cache this request holds.
@@ -571,7 +587,11 @@ impl Keywords<'_, '_> {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true, grammar_threads=None))]
+    #[pyo3(signature = (
+        path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true, grammar_threads=None,
+        prompt_cache_mib=256, prompt_cache_entries=4, prompt_cache_disk=None, prompt_cache_disk_mib=1024,
+    ))]
+    #[allow(clippy::too_many_arguments)] // the Python keyword signature
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -579,8 +599,21 @@ impl Engine {
         kv_cache_mode: &str,
         draft_vocab: bool,
         grammar_threads: Option<usize>,
+        prompt_cache_mib: usize,
+        prompt_cache_entries: usize,
+        prompt_cache_disk: Option<PathBuf>,
+        prompt_cache_disk_mib: u64,
     ) -> PyResult<Self> {
-        let mut inner = detached(py, || RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode))?;
+        let prompt_cache = PromptCache {
+            max_bytes: prompt_cache_mib.saturating_mul(1 << 20),
+            max_entries: prompt_cache_entries,
+            disk: prompt_cache_disk.map(|dir| (dir, prompt_cache_disk_mib.saturating_mul(1 << 20))),
+        };
+        let mut inner = detached(py, || {
+            let mut engine = RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode)?;
+            engine.set_prompt_cache(prompt_cache)?;
+            Ok(engine)
+        })?;
         inner.model.set_use_draft_head(draft_vocab);
         if let Some(n) = grammar_threads {
             inner.grammars.set_threads(n);
@@ -678,6 +711,7 @@ impl Engine {
         Ok(Completion {
             completion_tokens: g.output().len(),
             prompt_tokens: g.prompt_len(),
+            cached_tokens: g.cached_tokens(),
             draft_rounds: draft.rounds,
             draft_proposed: draft.proposed,
             draft_accepted: draft.accepted,
@@ -734,6 +768,29 @@ impl Engine {
             }
         }
         Ok(out)
+    }
+
+    /// (entries, bytes) the prompt cache holds in memory.
+    #[getter]
+    fn prompt_cache_usage(&self) -> (usize, usize) {
+        self.inner.prefixes.usage()
+    }
+
+    /// What the prompt cache skipped or could not write since the last call (damaged or foreign files, a full
+    /// disk), one message each, for the caller's log.
+    fn prompt_cache_notices(&self) -> Vec<String> {
+        self.inner.prefixes.take_notices()
+    }
+
+    /// Wait until the prompt cache's file writes have finished; with `clear`, also drop its in-memory entries.
+    #[pyo3(signature = (clear=false))]
+    fn prompt_cache_flush(&self, py: Python<'_>, clear: bool) {
+        py.detach(|| {
+            self.inner.prefixes.flush();
+            if clear {
+                self.inner.prefixes.clear();
+            }
+        })
     }
 
     /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len); `window > 0` makes each

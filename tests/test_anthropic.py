@@ -98,8 +98,12 @@ def test_tool_use_round_trip(client, tiny_engine, stream):
     turn = [b.model_dump(exclude_none=True) for b in m.content]
     messages = [*kw["messages"], {"role": "assistant", "content": turn}, {"role": "user", "content": result}]
     follow = client.messages.create(**{**kw, "messages": messages, "max_tokens": 4})
-    assert follow.usage.input_tokens == len(prompt_ids(tiny_engine, {"messages": messages, "tools": [WEATHER]}))
-    assert follow.usage.input_tokens > m.usage.input_tokens and follow.stop_reason in (
+    # Anthropic's split: prefilled input plus what the prompt cache supplied (the first turn's tokens) is the prompt.
+    total = follow.usage.input_tokens + follow.usage.cache_read_input_tokens
+    assert total == len(prompt_ids(tiny_engine, {"messages": messages, "tools": [WEATHER]}))
+    assert follow.usage.cache_read_input_tokens > 0 and follow.usage.cache_creation_input_tokens == 0
+    first = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert total > first and follow.stop_reason in (
         "max_tokens",
         "end_turn",
         "tool_use",

@@ -242,6 +242,9 @@ class Completion:
     @property
     def prompt_tokens(self) -> int: ...
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prompt cache (not prefilled)."""
+    @property
     def completion_tokens(self) -> int: ...
     @property
     def draft_rounds(self) -> int: ...
@@ -269,6 +272,11 @@ class TokenStream(Iterator[StepEvent]):
     @property
     def prompt_tokens(self) -> int: ...
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prompt cache (known from the first step on)."""
+    def release(self) -> None:
+        """End the stream: its KV goes to the prompt cache and its memory is freed."""
+    @property
     def kv_bytes(self) -> int: ...
     @property
     def draft_stats(self) -> tuple[int, int, int]: ...
@@ -294,7 +302,18 @@ class Engine:
         kv_cache_mode: str = "fp16",
         draft_vocab: bool = True,  # draft through the file's draft vocabulary, when it lists one
         grammar_threads: int | None = None,  # threads computing grammar masks ahead; None: cores (≤ 4), 0: inline
+        prompt_cache_mib: int = 256,  # finished sequences' KV kept for prompts that start the same way
+        prompt_cache_entries: int = 4,  # 0: no prompt cache
+        prompt_cache_disk: str | PathLike[str] | None = None,  # a directory keeping prefixes across restarts
+        prompt_cache_disk_mib: int = 1024,
     ) -> Self: ...
+    @property
+    def prompt_cache_usage(self) -> tuple[int, int]:
+        """(entries, bytes) the prompt cache holds in memory."""
+    def prompt_cache_notices(self) -> list[str]:
+        """Files the prompt cache skipped or could not write since the last call, one message each."""
+    def prompt_cache_flush(self, clear: bool = False) -> None:
+        """Wait for the prompt cache's file writes; with `clear`, also drop its in-memory entries."""
     @property
     def path(self) -> str: ...
     @property

@@ -7,7 +7,7 @@ use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::grammar::Grammars;
 use crate::kernels::isa;
-use crate::kv::{KvCache, KvKind};
+use crate::kv::{hash_file, DiskConfig, KvCache, KvKind, PrefixConfig, PrefixStore};
 use crate::limits::{MAX_LOGPROBS, MAX_LOOPS};
 use crate::loader::{self, ModelFile};
 use crate::model::{Config, LogitRows, Model, SeqChunk};
@@ -25,6 +25,18 @@ pub struct Engine {
     pub max_seq_len: usize,
     /// "fp16", "int8", "int4" or "int4-h" (the API's names).
     pub kv_cache_mode: String,
+    /// Finished sequences' KV, reused by requests whose prompts start the same way (off until configured).
+    pub prefixes: PrefixStore,
+    path: std::path::PathBuf,
+}
+
+/// The prompt cache's bounds as a caller states them; `Engine::set_prompt_cache` turns them into a store.
+#[derive(Debug, Clone, Default)]
+pub struct PromptCache {
+    pub max_bytes: usize,
+    pub max_entries: usize,
+    /// A directory that keeps prefixes across restarts, and its bound in bytes.
+    pub disk: Option<(std::path::PathBuf, u64)>,
 }
 
 /// KV-cache modes by the API's names; `default` is the "fp16" kind for the model (f32 for all-F32 weights).
@@ -63,7 +75,38 @@ impl Engine {
         let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);
         let grammars = Grammars::new(tokenizer.clone(), model.cfg.vocab_size);
-        Ok(Self { model, tokenizer, grammars, quant, max_seq_len, kv_cache_mode: kv_cache_mode.to_string() })
+        let kv_cache_mode = kv_cache_mode.to_string();
+        let (prefixes, path) = (PrefixStore::default(), path.to_path_buf());
+        Ok(Self { model, tokenizer, grammars, quant, max_seq_len, kv_cache_mode, prefixes, path })
+    }
+
+    /// Keep finished sequences' KV for reuse within these bounds (replacing any earlier store). With a directory,
+    /// its files are keyed by this model file's content hash, KV format and shape, so a different model or KV mode
+    /// never reads them.
+    pub fn set_prompt_cache(&mut self, cache: PromptCache) -> Result<()> {
+        let disk = match cache.disk {
+            None => None,
+            Some((dir, max_bytes)) => {
+                let hash = hash_file(&self.path)
+                    .map_err(|e| Error::Internal(format!("hashing {}: {e}", self.path.display())))?;
+                let c = &self.model.cfg;
+                let kind = self.model.kv_kind();
+                let identity = format!(
+                    "model={hash:016x};kv={};heads={}x{};slots={}+{}",
+                    kind.name(),
+                    c.n_kv_heads,
+                    c.head_dim,
+                    c.prelude_count,
+                    c.block_count
+                );
+                let shape =
+                    crate::kernels::AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+                Some(DiskConfig { dir, max_bytes, identity, kind, shape })
+            }
+        };
+        self.prefixes =
+            PrefixStore::new(PrefixConfig { max_bytes: cache.max_bytes, max_entries: cache.max_entries, disk });
+        Ok(())
     }
 
     pub fn config(&self) -> &Config {

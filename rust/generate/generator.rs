@@ -11,6 +11,7 @@ use super::seq::{DraftStats, FinishReason, SeqState, Step};
 use super::tree;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
+use crate::kv::PrefixKey;
 use crate::limits::{MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_PREFILL_CHUNK, WINDOW_SLACK};
 use crate::model::{LogitRows, SeqChunk};
 use crate::profile::{self, Stage};
@@ -31,6 +32,14 @@ pub struct Generator {
     /// Self-speculative decoding, when on.
     spec: Option<Speculative>,
     seq: SeqState,
+    /// What the prompt cache keys this sequence's KV by.
+    key: PrefixKey,
+    /// Prompt tokens whose KV came from the prompt cache.
+    cached: usize,
+    /// Whether the prompt cache was consulted (at the first step).
+    looked_up: bool,
+    /// Whether this sequence's KV was offered to the prompt cache (once, when it finishes or is dropped).
+    offered: bool,
 }
 
 /// What a generator does in a batched step.
@@ -61,11 +70,58 @@ impl Generator {
         // `needed` leaves one spare position (the last output token is never fed back); tree verification may
         // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.
         let full = needed + MAX_TREE_ROWS;
-        let cache = match cache_window {
-            0 => engine.model.new_cache(full),
-            w => engine.model.new_cache(full.min(window_capacity(w))).with_window(w),
-        };
-        Ok(Self { engine, loops, spec: speculative, seq: SeqState::new(cache, sampler, prompt) })
+        let capacity = if cache_window == 0 { full } else { full.min(window_capacity(cache_window)) };
+        let cache = engine.model.new_cache(capacity).with_window(cache_window);
+        let key = PrefixKey { loops, window: cache_window };
+        let seq = SeqState::new(cache, sampler, prompt);
+        Ok(Self { engine, loops, spec: speculative, seq, key, cached: 0, looked_up: false, offered: false })
+    }
+
+    /// Before the first step: start from the prompt cache's longest prefix of the prompt, if it has one. Done at the
+    /// first step rather than at creation, so that a request queued right behind the previous turn of its
+    /// conversation finds that turn's KV (the server's engine thread releases finished requests before stepping).
+    fn restore_prefix(&mut self) {
+        if std::mem::replace(&mut self.looked_up, true) || self.seq.pos > 0 {
+            return;
+        }
+        let (capacity, window) = (self.seq.cache.capacity(), self.seq.cache.window());
+        if let Some(reused) = self.engine.prefixes.lookup(self.key, &self.seq.prompt, capacity, window) {
+            (self.seq.cache, self.seq.pos, self.cached) = (reused.cache, reused.tokens, reused.tokens);
+        }
+    }
+
+    /// Prompt tokens whose KV came from the prompt cache (they were not prefilled).
+    pub fn cached_tokens(&self) -> usize {
+        self.cached
+    }
+
+    /// Offer the positions fed so far to the prompt cache, once: when the sequence finishes, or when it is dropped
+    /// unfinished (a cancelled request's prompt is as reusable as a finished one's).
+    fn keep_prefix(&mut self) {
+        if self.offered {
+            return;
+        }
+        self.offered = true;
+        let seq = &self.seq;
+        let tokens: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().take(seq.pos).collect();
+        self.engine.prefixes.offer(self.key, tokens, &seq.cache);
+    }
+
+    /// The request is over (finished or abandoned): offer its KV to the prompt cache and free it.
+    pub fn release(&mut self) {
+        self.keep_prefix();
+        let empty = self.engine.model.new_cache(0);
+        self.seq.cache = empty;
+    }
+
+    /// After a step: a finished sequence's KV goes to the prompt cache; a failed one's is never offered.
+    fn settled(&mut self, step: Result<Step>) -> Result<Step> {
+        match &step {
+            Ok(Step { finish: Some(_), .. }) => self.keep_prefix(),
+            Err(_) => self.offered = true,
+            Ok(_) => {}
+        }
+        step
     }
 
     pub fn prompt_len(&self) -> usize {
@@ -107,11 +163,13 @@ impl Generator {
 
     /// Advance by one token. After a step with `finish` set, further steps return `finish` again and do nothing.
     pub fn step(&mut self) -> Result<Step> {
-        profile::time(Stage::Step, || self.advance())
+        let step = profile::time(Stage::Step, || self.advance());
+        self.settled(step)
     }
 
     /// `step`, untimed (a batched step times itself as a whole).
     fn advance(&mut self) -> Result<Step> {
+        self.restore_prefix();
         if let Some(step) = self.seq.ready.pop_front() {
             return self.checked(step);
         }
@@ -177,6 +235,7 @@ impl Generator {
 
     /// This generator's part in a batched step.
     fn next(&mut self) -> Next {
+        self.restore_prefix();
         if let Some(step) = self.seq.ready.pop_front() {
             return Next::Done(self.checked(step));
         }
@@ -201,7 +260,14 @@ impl Generator {
 /// Advance every generator by one step — for each, what `Generator::step` alone would produce. A failure is
 /// reported for the generator it concerns; the others go on.
 pub fn step_batch(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {
-    profile::time(Stage::Step, || batch_step(gens))
+    let steps = profile::time(Stage::Step, || batch_step(gens));
+    gens.iter_mut().zip(steps).map(|(g, step)| g.settled(step)).collect()
+}
+
+impl Drop for Generator {
+    fn drop(&mut self) {
+        self.keep_prefix();
+    }
 }
 
 fn batch_step(gens: &mut [&mut Generator]) -> Vec<Result<Step>> {

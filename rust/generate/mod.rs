@@ -14,7 +14,7 @@ mod plan;
 mod seq;
 mod tree;
 
-pub use engine::{kv_kind_for_mode, Engine};
+pub use engine::{kv_kind_for_mode, Engine, PromptCache};
 pub use generator::{step_batch, Generator};
 pub use plan::{Generation, Speculative};
 pub use seq::{DraftStats, FinishReason, Step};

@@ -22,6 +22,8 @@ use crate::error::{Error, Result};
 use crate::kernels::AttnShape;
 use crate::limits::WINDOW_SLACK;
 
+mod snapshot;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
     F32,
@@ -246,6 +248,39 @@ impl KvCache {
         })
     }
 
+    /// A cache of `capacity` positions (window `window`) holding this one's first `n` positions in every slot that
+    /// was written — `None` when some written slot does not hold all of them from position 0 (a window dropped
+    /// some, or a shallower pass filled it less far), so a partial prefix is never handed out.
+    pub fn prefix(&self, n: usize, capacity: usize, window: usize) -> Option<KvCache> {
+        let (heads, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let mut slots = Vec::with_capacity(self.slots.len());
+        for slot in &self.slots {
+            slots.push(match slot {
+                None => None,
+                Some(buf) => Some(match buf {
+                    SlotBuf::F32(s) => SlotBuf::F32(s.head_rows(heads, hd, n, capacity)?),
+                    SlotBuf::F16(s) => SlotBuf::F16(s.head_rows(heads, hd, n, capacity)?),
+                    SlotBuf::I8(s) => SlotBuf::I8(s.head_rows(heads, hd, n, capacity)?),
+                    SlotBuf::I4(s) => SlotBuf::I4(s.head_rows(heads, hd, n, capacity)?),
+                }),
+            });
+        }
+        Some(KvCache { kind: self.kind, shape: self.shape, capacity, window, slots })
+    }
+
+    /// Positions every written slot holds from position 0 (0 when none was written or a window dropped some).
+    pub fn complete_positions(&self) -> usize {
+        let mut held = self.slots.iter().flatten().map(|b| each_slot!(b, s => if s.base > 0 { 0 } else { s.len }));
+        let first = held.next().unwrap_or(0);
+        held.fold(first, usize::min)
+    }
+
+    /// Bytes the slots have allocated (what a cache kept aside costs, live positions or not).
+    pub fn bytes_allocated(&self) -> usize {
+        let (heads, w) = (self.shape.n_kv_heads, self.kind.bytes_per_row(self.shape.head_dim));
+        self.slots.iter().flatten().map(|b| each_slot!(b, s => 2 * heads * s.stride * w)).sum()
+    }
+
     /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
     pub fn move_position(&mut self, from: usize, to: usize) {
         let (heads, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
@@ -308,6 +343,25 @@ impl<T: KvElem> Slot<T> {
         }
         self.len = hi + 1;
         Ok(())
+    }
+
+    /// A copy of positions `0..n` (every head), allocating `n` per head (at least the first stride, at most `cap`);
+    /// `None` unless this slot holds all of them.
+    fn head_rows(&self, heads: usize, hd: usize, n: usize, cap: usize) -> Option<Self> {
+        if self.base > 0 || self.len < n {
+            return None;
+        }
+        let mut out = Slot::new();
+        out.reserve(heads, hd, n, cap);
+        let (w, (from, to)) = (hd / T::PACK, (self.stride, out.stride));
+        for g in 0..heads {
+            out.k[g * to * w..][..n * w].copy_from_slice(&self.k[g * from * w..][..n * w]);
+            out.v[g * to * w..][..n * w].copy_from_slice(&self.v[g * from * w..][..n * w]);
+            out.k_meta[g * to..][..n].copy_from_slice(&self.k_meta[g * from..][..n]);
+            out.v_meta[g * to..][..n].copy_from_slice(&self.v_meta[g * from..][..n]);
+        }
+        out.len = n;
+        Some(out)
     }
 
     /// What attention reads of this slot.

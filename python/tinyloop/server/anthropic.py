@@ -238,8 +238,16 @@ def _stop(r: RunningRequest, called: bool) -> tuple[str, str | None]:
 
 
 def _usage(r: RunningRequest) -> dict[str, int]:
+    """Anthropic's split of the prompt: `input_tokens` were prefilled, `cache_read_input_tokens` came from the prompt
+    cache (their sum is the prompt's length); nothing is billed as a cache write."""
     u = r.usage()
-    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {
+        "input_tokens": u["prompt_tokens"] - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": u["completion_tokens"],
+    }
 
 
 def body(req: MessagesRequest, r: RunningRequest) -> dict[str, Any]:
@@ -265,6 +273,7 @@ async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes
     """message_start, ping, then per content block its start, deltas and stop, then message_delta (stop reason and
     usage) and message_stop; a failure after the 200 ends the stream with an `error` event."""
     message = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
+    # The prompt cache's share is known from the engine's first step on: message_delta carries the final split.
     usage = {"input_tokens": sum(len(p) for p in r.plan.prompts), "output_tokens": 0}
     yield _event(
         "message_start",
@@ -299,7 +308,7 @@ async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes
         "message_delta",
         {
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": _usage(r)["output_tokens"]},
+            "usage": _usage(r),
         },
     )
     yield _event("message_stop", {})

@@ -49,11 +49,13 @@ def _error(e: APIError, request: Request) -> ORJSONResponse:
 
 def load_engine(cfg: ServerConfig, metrics: Metrics, path: Path) -> tuple[Engine, EngineRunner]:
     """The model at `path` and its engine thread (raises the engine's load errors)."""
-    engine = Engine(path, max_seq_len=cfg.max_seq_len, kv_cache_mode=cfg.kv_cache_mode())
+    engine = Engine(path, **cfg.engine_options())
     runner = EngineRunner(
         engine, metrics, max_running=cfg.max_running, max_waiting=cfg.max_waiting, request_timeout=cfg.request_timeout
     )
     metrics.threads.set(num_threads())
+    for notice in engine.prompt_cache_notices():  # files in the prompt cache's directory it skipped
+        log.warning("%s", notice)
     return engine, runner
 
 
@@ -158,6 +160,15 @@ def _error_handlers(app: FastAPI) -> None:
         return _error(APIError(500, str(e), code="engine_error"), request)
 
 
+def _finish(state: ServerState) -> None:
+    """Shutdown: end the engine thread (its aborted requests leave their KV to the prompt cache), then wait for the
+    prompt cache's files to be written, so a restart finds them."""
+    if state.runner is not None:
+        state.runner.close()
+    if state.engine is not None:
+        state.engine.prompt_cache_flush()
+
+
 def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     cfg = cfg or ServerConfig.from_env()
     inflight = InFlight()
@@ -174,6 +185,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
             watcher.cancel()
         if state.runner is not None:
             state.runner.abort_all("the server is shutting down")
+            await asyncio.to_thread(_finish, state)
         state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tinyloop", version=__version__, default_response_class=ORJSONResponse, lifespan=lifespan)

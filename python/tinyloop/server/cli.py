@@ -37,6 +37,12 @@ ENV_HELP = """environment variables:
   TINYLOOP_LAZY_LOAD          1: load the model on the first request that needs it, not at start-up
   TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds in which no request needed it (implies
                               lazy loading; health probes and metrics scrapes do not count)
+  TINYLOOP_NO_PROMPT_CACHE    1: do not reuse earlier requests' KV for prompts that start the same way
+  TINYLOOP_PROMPT_CACHE_MIB, TINYLOOP_PROMPT_CACHE_ENTRIES
+                              bounds of the in-memory prompt cache (default 256 MiB, 4 prefixes)
+  TINYLOOP_PROMPT_CACHE_DISK  a private directory that keeps prompt prefixes across restarts and unloads; its
+                              files hold conversation text's KV, so keep it local and unsynchronized
+  TINYLOOP_PROMPT_CACHE_DISK_MIB  bound of that directory (default 1024 MiB)
   TINYLOOP_PROFILE_DIR        enables POST /start_profile and /stop_profile, which write profiles here
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
@@ -102,6 +108,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="unload the model after this many seconds without a request; implies --lazy-load "
         "(else TINYLOOP_IDLE_UNLOAD_SECONDS, else never)",
+    )
+    p.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        default=None,
+        help="do not reuse earlier requests' KV for prompts that start the same way (else TINYLOOP_NO_PROMPT_CACHE)",
+    )
+    p.add_argument(
+        "--prompt-cache-mib",
+        type=_positive,
+        default=None,
+        help="memory bound of the prompt cache, else TINYLOOP_PROMPT_CACHE_MIB, else 256",
+    )
+    p.add_argument(
+        "--prompt-cache-entries",
+        type=_positive,
+        default=None,
+        help="prefixes the prompt cache keeps, else TINYLOOP_PROMPT_CACHE_ENTRIES, else 4",
+    )
+    p.add_argument(
+        "--prompt-cache-disk",
+        default=None,
+        metavar="DIR",
+        help="keep prompt prefixes in DIR across restarts and unloads (private: it holds conversations' KV), else "
+        "TINYLOOP_PROMPT_CACHE_DISK",
+    )
+    p.add_argument(
+        "--prompt-cache-disk-mib",
+        type=_positive,
+        default=None,
+        help="bound of --prompt-cache-disk, else TINYLOOP_PROMPT_CACHE_DISK_MIB, else 1024",
     )
     p.add_argument(
         "--profile",
@@ -206,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_MODELS_DIR", args.models_dir),
         ("TINYLOOP_LAZY_LOAD", "1" if args.lazy_load else None),
         ("TINYLOOP_IDLE_UNLOAD_SECONDS", args.idle_unload_seconds),
+        ("TINYLOOP_NO_PROMPT_CACHE", "1" if args.no_prompt_cache else None),
+        ("TINYLOOP_PROMPT_CACHE_MIB", args.prompt_cache_mib),
+        ("TINYLOOP_PROMPT_CACHE_ENTRIES", args.prompt_cache_entries),
+        ("TINYLOOP_PROMPT_CACHE_DISK", args.prompt_cache_disk),
+        ("TINYLOOP_PROMPT_CACHE_DISK_MIB", args.prompt_cache_disk_mib),
         ("TINYLOOP_ISA", args.isa),
         ("TINYLOOP_COMMIT", args.commit),
     ]:

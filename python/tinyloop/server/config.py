@@ -12,6 +12,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default.tinylo
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB JSON body holds a prompt of ~500k token ids: past any context length
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds of wall time one request may take, queueing included
 KV_CACHE_MODES = ("fp16", "int8", "int4", "int4-h")
+DEFAULT_PROMPT_CACHE_MIB = 256  # finished conversations' KV kept in memory for the next turn (prefix reuse)
+DEFAULT_PROMPT_CACHE_ENTRIES = 4
+DEFAULT_PROMPT_CACHE_DISK_MIB = 1024
 
 
 def _flag(name: str) -> bool:
@@ -39,6 +42,11 @@ class ServerConfig:
     models_dir: str | None = None  # serve every .tinyloop under it, one resident at a time (residency.py)
     lazy_load: bool = False  # load the model on the first request that needs it (residency.py)
     idle_unload_seconds: float = 0.0  # unload it after this long without a request (0: never); implies lazy_load
+    prompt_cache: bool = True  # reuse finished sequences' KV for prompts that start the same way (prefix reuse)
+    prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
+    prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES
+    prompt_cache_disk: str | None = None  # a directory that keeps prefixes across restarts and unloads
+    prompt_cache_disk_mib: int = DEFAULT_PROMPT_CACHE_DISK_MIB
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -64,7 +72,24 @@ class ServerConfig:
             models_dir=env.get("TINYLOOP_MODELS_DIR") or None,
             lazy_load=_flag("TINYLOOP_LAZY_LOAD"),
             idle_unload_seconds=float(env.get("TINYLOOP_IDLE_UNLOAD_SECONDS") or 0.0),
+            prompt_cache=not _flag("TINYLOOP_NO_PROMPT_CACHE"),
+            prompt_cache_mib=int(env.get("TINYLOOP_PROMPT_CACHE_MIB") or DEFAULT_PROMPT_CACHE_MIB),
+            prompt_cache_entries=int(env.get("TINYLOOP_PROMPT_CACHE_ENTRIES") or DEFAULT_PROMPT_CACHE_ENTRIES),
+            prompt_cache_disk=env.get("TINYLOOP_PROMPT_CACHE_DISK") or None,
+            prompt_cache_disk_mib=int(env.get("TINYLOOP_PROMPT_CACHE_DISK_MIB") or DEFAULT_PROMPT_CACHE_DISK_MIB),
         )
+
+    def engine_options(self) -> dict:
+        """The `Engine` keywords these settings give (KV mode, sequence limit, prompt cache)."""
+        on = self.prompt_cache
+        return {
+            "max_seq_len": self.max_seq_len,
+            "kv_cache_mode": self.kv_cache_mode(),
+            "prompt_cache_mib": self.prompt_cache_mib if on else 0,
+            "prompt_cache_entries": self.prompt_cache_entries if on else 0,
+            "prompt_cache_disk": self.prompt_cache_disk if on else None,
+            "prompt_cache_disk_mib": self.prompt_cache_disk_mib,
+        }
 
     def dynamic_residency(self) -> bool:
         """Whether the model is loaded on demand (and may be unloaded) rather than at start-up for good."""

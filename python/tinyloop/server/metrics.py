@@ -16,6 +16,9 @@ class Metrics:
             "tinyloop_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
         self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.prompt_cached_tokens = Counter(
+            "tinyloop_prompt_cached_tokens", "Prompt tokens whose KV came from the prompt cache", registry=r
+        )
         self.generation_tokens = Counter("tinyloop_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(
             "tinyloop_time_to_first_token_seconds",
@@ -40,6 +43,12 @@ class Metrics:
         self.threads = Gauge("tinyloop_threads", "Compute threads of the engine", registry=r)
         self.model_resident = Gauge("tinyloop_model_resident", "1 while the model is loaded, else 0", registry=r)
         self.kv_cache_bytes = Gauge("tinyloop_kv_cache_bytes", "KV-cache bytes held by running requests", registry=r)
+        self.prompt_cache_bytes = Gauge(
+            "tinyloop_prompt_cache_bytes", "KV bytes the prompt cache keeps in memory for later requests", registry=r
+        )
+        self.prompt_cache_entries = Gauge(
+            "tinyloop_prompt_cache_entries", "Prompt prefixes the prompt cache keeps in memory", registry=r
+        )
         self.client_disconnects = Counter(
             "tinyloop_client_disconnects",
             "Requests whose client left before the answer was complete (their generation is cancelled)",

@@ -118,8 +118,15 @@ class RunningRequest:
         """The first engine failure among the choices, if any."""
         return next((c.error or "generation failed" for c in self.choices if c.finish_reason == "error"), None)
 
-    def usage(self) -> dict[str, int]:
-        return usage(sum(len(p) for p in self.plan.prompts), sum(c.generated for c in self.choices))
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prompt cache supplied, counted once per prompt (as the prompt tokens are): its first
+        choice's."""
+        per_prompt = len(self.plan.generations)
+        return sum(c.job.cached for c in self.choices[::per_prompt])
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.plan.prompts)
+        return usage(prompt, sum(c.generated for c in self.choices), self.cached_tokens())
 
     def stats(self) -> dict[str, Any]:
         """The `stats` section of the LM Studio and native answers."""
@@ -132,6 +139,7 @@ class RunningRequest:
             "wall_ms": round(wall * 1000, 3),
             "tokens_per_second": round(completion / wall, 3) if wall > 0 else 0.0,
             "prompt_tokens": sum(len(p) for p in self.plan.prompts),
+            "cached_tokens": self.cached_tokens(),
             "completion_tokens": completion,
             "mode": self.plan.mode,
             "loops_used": first.loops if first else None,

@@ -251,7 +251,7 @@ class Envelope:
             else {"format": {"type": "text"}},
             "usage": {
                 "input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": u["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u["total_tokens"],

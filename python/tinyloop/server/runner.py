@@ -72,6 +72,7 @@ class Job:
     mode: str = "generate"  # label for the draft-token metrics
     loops: int = 0  # the loops it runs (verifies, when speculative) at: read once, the engine thread owns the stream
     draft_stats: tuple[int, int, int] = (0, 0, 0)  # (rounds, proposed, accepted), set when the job leaves
+    cached: int = 0  # prompt tokens the prompt cache supplied: set before the first token is handed out
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     cancelled_at_step: int | None = None  # the runner's step count when the consumer left
@@ -175,6 +176,11 @@ class EngineRunner:
         """Called from the engine thread only (it owns `_running`). The running count is set last, so a reader
         that sees it fall to 0 also sees the KV bytes and the queue as they are then."""
         self.metrics.kv_cache_bytes.set(sum(j.stream.kv_bytes for j in self._running))
+        entries, held = self.engine.prompt_cache_usage
+        self.metrics.prompt_cache_bytes.set(held)
+        self.metrics.prompt_cache_entries.set(entries)
+        for notice in self.engine.prompt_cache_notices():
+            log.warning("%s", notice)
         self.metrics.requests_waiting.set(len(self._waiting))
         self.metrics.requests_running.set(len(self._running))
 
@@ -182,6 +188,7 @@ class EngineRunner:
         """Take a job out of the running set (engine thread); its draft counters go to the metrics."""
         self._running.remove(job)
         job.draft_stats = job.stream.draft_stats
+        job.stream.release()  # its KV goes to the prompt cache before the next step looks there
         _, proposed, accepted = job.draft_stats
         if proposed:
             self.metrics.draft_proposed.labels(job.mode).inc(proposed)
@@ -272,7 +279,8 @@ class EngineRunner:
                 continue
             if event.token_id >= 0:
                 if job.first_token is None:
-                    job.first_token = now
+                    job.first_token, job.cached = now, job.stream.cached_tokens
+                    self.metrics.prompt_cached_tokens.inc(job.cached)
                     self.metrics.ttft.observe(now - job.submitted)
                 else:
                     self.metrics.itl.observe(now - (job.last_token or now))
