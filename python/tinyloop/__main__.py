@@ -6,6 +6,7 @@ tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying 
 tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
 tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
 tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N]   # cheaper speculative drafts
+tinyloop launch [--client C] [--model M] [--port N] [--dry-run] [-- SERVE_FLAGS]   # serve, and set up a coding client
 """
 
 from __future__ import annotations
@@ -154,11 +155,22 @@ def _file_commands(sub) -> None:
     p.set_defaults(run=_draft_vocab)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from .launch.cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _engine_commands(sub)
     _file_commands(sub)
+    from .launch.cli import add_arguments
+
+    p = sub.add_parser("launch", help="start tinyloop-serve, optionally with a coding client set up to use it")
+    add_arguments(p)
+    p.set_defaults(run=_launch)
     args = parser.parse_args(argv)
     from ._core import TinyloopError
 
