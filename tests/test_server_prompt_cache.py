@@ -3,6 +3,8 @@ answers equal a server's without the cache, and `--prompt-cache-disk` carries pr
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import anthropic
 import httpx
 import openai
@@ -51,7 +53,7 @@ def test_chat_turns_reuse_the_conversation_and_answer_the_same(servers):
     assert [t[0] for t in hits] == [t[0] for t in misses]
     assert [t[1] for t in hits] == [t[1] for t in misses]  # prompt_tokens counts the whole prompt either way
     assert hits[0][2] == 0 and all(t[2] == 0 for t in misses)
-    for (_, prev_prompt, _), (_, prompt, reused) in zip(hits, hits[1:], strict=False):
+    for (_, prev_prompt, _), (_, prompt, reused) in pairwise(hits):
         assert prev_prompt <= reused < prompt  # at least the previous turn's prompt; never the last token
 
 
@@ -103,3 +105,33 @@ def test_a_restart_finds_the_prefixes_on_disk(tiny, disk, servers):
         text, prompt, reused = _chat(restarted, follow)
     assert 0 < reused < prompt
     assert text == _chat(plain, follow)[0]
+
+
+def test_flags_and_environment_configure_the_cache(monkeypatch, capsys):
+    from tinyloop.server.cli import parse
+    from tinyloop.server.config import ServerConfig
+
+    args = parse(["--prompt-cache-mib", "64", "--prompt-cache-entries", "2", "--prompt-cache-disk", "/tmp/pc"])
+    assert (args.prompt_cache_mib, args.prompt_cache_entries, args.prompt_cache_disk) == (64, 2, "/tmp/pc")
+    assert parse(["--no-prompt-cache"]).no_prompt_cache is True
+    with pytest.raises(SystemExit) as e:
+        parse(["--prompt-cache-mib", "0"])
+    assert e.value.code == 2 and "prompt-cache-mib" in capsys.readouterr().err
+    defaults = ServerConfig.from_env().engine_options()
+    assert (defaults["prompt_cache_mib"], defaults["prompt_cache_entries"], defaults["prompt_cache_disk"]) == (
+        256,
+        4,
+        None,
+    )
+    monkeypatch.setenv("TINYLOOP_PROMPT_CACHE_DISK", "/tmp/pc")
+    monkeypatch.setenv("TINYLOOP_PROMPT_CACHE_DISK_MIB", "10")
+    monkeypatch.setenv("TINYLOOP_PROMPT_CACHE_ENTRIES", "7")
+    opts = ServerConfig.from_env().engine_options()
+    assert (opts["prompt_cache_entries"], opts["prompt_cache_disk"], opts["prompt_cache_disk_mib"]) == (
+        7,
+        "/tmp/pc",
+        10,
+    )
+    monkeypatch.setenv("TINYLOOP_NO_PROMPT_CACHE", "1")
+    off = ServerConfig.from_env().engine_options()
+    assert (off["prompt_cache_entries"], off["prompt_cache_mib"], off["prompt_cache_disk"]) == (0, 0, None)
