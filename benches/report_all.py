@@ -4,7 +4,7 @@ the same stretch of time on the same machine.
 
     pytest benches/bench_machine.py benches/bench_sampling.py benches/bench_profile.py \
         benches/bench_speculative.py benches/bench_batch.py benches/bench_server_overhead.py \
-        benches/bench_llama.py --benchmark-json=.benchmarks/all.json
+        benches/bench_prompt_cache.py benches/bench_llama.py --benchmark-json=.benchmarks/all.json
     python benches/report_all.py .benchmarks/all.json
 
 A bench missing from the run is skipped with a line saying so.
@@ -28,6 +28,7 @@ REPORTS = [
     ("bench_speculative.py", "report_speculative", "Self-speculative decoding against plain", False),
     ("bench_batch.py", "report_batch", "Continuous batching", False),
     ("bench_server_overhead.py", "report_server_overhead", "The server against the engine", False),
+    ("bench_prompt_cache.py", "report_prompt_cache", "Prompt reuse: a conversation's next turn", False),
     ("bench_llama.py", "report_llama", "Next to llama.cpp and mistral.rs", False),
 ]
 MACHINE = "bench_machine.py"

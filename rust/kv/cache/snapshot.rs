@@ -195,3 +195,64 @@ impl KvCache {
         Ok(KvCache { kind, shape, capacity, window: 0, slots })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(kind: KvKind, n: usize) -> KvCache {
+        let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+        let mut cache = KvCache::new(kind, shape, 300, 3);
+        let row = |i: usize, s: u32| ((i as u32).wrapping_mul(2654435761).wrapping_add(s) % 997) as f32 / 500.0 - 1.0;
+        let kv = |s| (0..n * 16).map(|i| row(i, s)).collect::<Vec<f32>>();
+        let q: Vec<f32> = (0..n * 32).map(|i| row(i, 9)).collect();
+        let mut out = vec![0.0; q.len()];
+        for slot in [0, 2] {
+            // Slot 1 stays unwritten, as a deeper loop's slot does in a shallower request.
+            cache.write_and_attend(slot, 0, &kv(slot as u32), &kv(7 + slot as u32), &q, &mut out).unwrap();
+        }
+        cache
+    }
+
+    /// Attention output of one query row at position `n` over the cache, for comparing two caches' contents.
+    fn probe(cache: &mut KvCache, n: usize) -> Vec<f32> {
+        let (k, v, q) = (vec![0.25; 16], vec![-0.5; 16], (0..32).map(|i| i as f32 / 32.0).collect::<Vec<_>>());
+        let mut out = vec![0.0; 32];
+        cache.write_and_attend(2, n, &k, &v, &q, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn encoded_caches_decode_to_the_same_rows_and_damage_is_an_error() {
+        for kind in [KvKind::F32, KvKind::F16, KvKind::Int8, KvKind::Int4, KvKind::Int4H] {
+            let n = 100; // past the first stride: the encoding holds positions, not the allocation
+            let cache = filled(kind, n);
+            let mut bytes = Vec::new();
+            cache.encode(&mut bytes);
+            let mut back = KvCache::decode(kind, cache.shape, 300, &bytes).unwrap();
+            assert_eq!((back.slot_len(0), back.slot_len(1), back.slot_len(2)), (n, 0, n));
+            assert_eq!(back.complete_positions(), n);
+            let mut prefix = cache.prefix(n, 300, 0).unwrap();
+            assert_eq!(probe(&mut back, n), probe(&mut prefix, n), "{kind:?}");
+            for cut in [0, 7, 8, 9, bytes.len() / 2, bytes.len() - 1] {
+                assert!(KvCache::decode(kind, cache.shape, 300, &bytes[..cut]).is_err(), "{kind:?} cut at {cut}");
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert!(KvCache::decode(kind, cache.shape, 300, &longer).is_err());
+            let mut huge = bytes.clone();
+            huge[9..17].copy_from_slice(&(u64::MAX / 2).to_le_bytes()); // slot 0's position count
+            assert!(KvCache::decode(kind, cache.shape, 300, &huge).is_err());
+            assert!(KvCache::decode(kind, cache.shape, 50, &bytes).is_err(), "more positions than the capacity");
+        }
+    }
+
+    #[test]
+    fn a_prefix_is_refused_when_a_slot_holds_fewer_positions() {
+        let cache = filled(KvKind::F16, 40);
+        assert!(cache.prefix(40, 64, 0).is_some() && cache.prefix(41, 64, 0).is_none());
+        let mut short = cache.prefix(40, 64, 0).unwrap();
+        short.truncate(30);
+        assert_eq!(short.complete_positions(), 30);
+    }
+}
