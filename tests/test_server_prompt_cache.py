@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from serverutil import running_server
+from serverutil import running_server, server_process
 
 TURN = {"temperature": 0, "max_tokens": 8}
 
@@ -135,3 +135,12 @@ def test_flags_and_environment_configure_the_cache(monkeypatch, capsys):
     monkeypatch.setenv("TINYLOOP_NO_PROMPT_CACHE", "1")
     off = ServerConfig.from_env().engine_options()
     assert (off["prompt_cache_entries"], off["prompt_cache_mib"], off["prompt_cache_disk"]) == (0, 0, None)
+
+
+def test_a_damaged_file_in_the_directory_is_logged_and_the_server_serves(tiny, tmp_path):
+    (tmp_path / "0000000000000000.tlpc").write_bytes(b"TLPROMPT\x01\x00\x00\x00" + b"\xff" * 40)
+    with server_process(tiny.path, "--prompt-cache-disk", str(tmp_path)) as (base, _, output):
+        _, prompt, reused = _chat(base, [{"role": "user", "content": "Hello there."}])
+        assert prompt > 0 and reused == 0
+        log = output()
+    assert "ignoring prompt cache file" in log and "0000000000000000.tlpc" in log
