@@ -198,6 +198,8 @@ struct ModelInfo {
     quant: String,
     kv_dtype: String,
     kv_cache_mode: String,
+    /// "none" or "last" (loops share the last loop's KV after the prompt).
+    kv_share: String,
     /// Tokens speculative drafts may propose through the draft head; 0 when drafts use the full head.
     draft_vocab_size: usize,
 }
@@ -513,6 +515,12 @@ impl Sequence {
         self.len
     }
 
+    /// With `kv_share="last"`: keep only the last of `loops` loops' K/V per layer, as a generation does once its
+    /// prompt is in; later feeds attend through it. Nothing happens on an engine that keeps every loop's.
+    fn share_loops(&mut self, loops: usize) {
+        self.cache.collapse(loops);
+    }
+
     #[getter]
     fn kv_bytes(&self) -> usize {
         self.cache.bytes_in_use()
@@ -590,6 +598,7 @@ impl Engine {
     #[pyo3(signature = (
         path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true, grammar_threads=None,
         prompt_cache_mib=256, prompt_cache_entries=4, prompt_cache_disk=None, prompt_cache_disk_mib=1024,
+        kv_share="none",
     ))]
     #[allow(clippy::too_many_arguments)] // the Python keyword signature
     fn new(
@@ -603,6 +612,7 @@ impl Engine {
         prompt_cache_entries: usize,
         prompt_cache_disk: Option<PathBuf>,
         prompt_cache_disk_mib: u64,
+        kv_share: &str,
     ) -> PyResult<Self> {
         let prompt_cache = PromptCache {
             max_bytes: prompt_cache_mib.saturating_mul(1 << 20),
@@ -611,6 +621,7 @@ impl Engine {
         };
         let mut inner = detached(py, || {
             let mut engine = RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode)?;
+            engine.set_kv_share(kv_share)?;
             engine.set_prompt_cache(prompt_cache)?;
             Ok(engine)
         })?;
@@ -646,6 +657,7 @@ impl Engine {
             quant: self.inner.quant.clone(),
             kv_dtype: self.inner.model.kv_kind().name().to_string(),
             kv_cache_mode: self.inner.kv_cache_mode.clone(),
+            kv_share: if self.inner.model.kv_share() { "last" } else { "none" }.to_string(),
             draft_vocab_size: self.inner.model.draft_vocab_len_in_use(),
         }
     }

@@ -161,6 +161,9 @@ class ModelInfo:
     @property
     def kv_cache_mode(self) -> str: ...
     @property
+    def kv_share(self) -> str:
+        """Either "none", or "last": after the prompt, loops share the last loop's KV."""
+    @property
     def draft_vocab_size(self) -> int:
         """Tokens speculative drafts may propose via the draft head; 0: drafts use the full head."""
 
@@ -290,6 +293,8 @@ class Sequence:
     def feed(self, ids: list[int], loops: int) -> bytes: ...
     def truncate(self, n: int) -> None: ...
     def __len__(self) -> int: ...
+    def share_loops(self, loops: int) -> None:
+        """With kv_share="last": keep only the last of `loops` loops' KV, as a generation does after its prompt."""
     @property
     def kv_bytes(self) -> int: ...
 
@@ -306,6 +311,7 @@ class Engine:
         prompt_cache_entries: int = 4,  # 0: no prompt cache
         prompt_cache_disk: str | PathLike[str] | None = None,  # a directory keeping prefixes across restarts
         prompt_cache_disk_mib: int = 1024,
+        kv_share: str = "none",  # "last": after the prompt, loops share the last loop's KV (no drafts, no reuse)
     ) -> Self: ...
     @property
     def prompt_cache_usage(self) -> tuple[int, int]:

@@ -61,6 +61,18 @@ impl Engine {
         Self::load_with_kv(path, max_seq_len, "fp16")
     }
 
+    /// "none" (a KV slot per loop and layer) or "last" (after the prompt, one per layer: the last loop's).
+    pub fn set_kv_share(&mut self, share: &str) -> Result<()> {
+        match share {
+            "none" => self.model.set_kv_share(false),
+            "last" => self.model.set_kv_share(true),
+            other => {
+                return Err(Error::InvalidArgument(format!("unknown kv_share {other:?}; one of \"none\", \"last\"")))
+            }
+        }
+        Ok(())
+    }
+
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
         isa::requested().map_err(Error::InvalidArgument)?;
         let ModelFile { config, vocab, tensors, quant, draft_ids } = loader::load(path)?;
@@ -83,7 +95,13 @@ impl Engine {
     /// Keep finished sequences' KV for reuse within these bounds (replacing any earlier store). With a directory,
     /// its files are keyed by this model file's content hash, KV format and shape, so a different model or KV mode
     /// never reads them.
-    pub fn set_prompt_cache(&mut self, cache: PromptCache) -> Result<()> {
+    /// With `kv_share = "last"` nothing is kept: a reused prefix would hold only the last loop's K/V, which the rest
+    /// of the prompt's prefill would then see instead of each loop's own, and reuse must never change output. Set
+    /// the KV sharing first.
+    pub fn set_prompt_cache(&mut self, mut cache: PromptCache) -> Result<()> {
+        if self.model.kv_share() {
+            cache = PromptCache::default();
+        }
         let disk = match cache.disk {
             None => None,
             Some((dir, max_bytes)) => {

@@ -59,6 +59,11 @@ impl Generator {
         let loops = generation.depth(engine.config().default_loops);
         ensure_arg!(!prompt.is_empty(), "the prompt must contain at least one token");
         engine.check_tokens(&prompt, "prompt token id")?;
+        ensure_arg!(
+            generation.speculative.is_none() || !engine.model.kv_share(),
+            "speculative decoding verifies drafts against every loop's KV; this engine shares the last loop's \
+             (kv_share=\"last\"): leave draft settings out"
+        );
         let constraint = generation.grammar.as_ref().map(|g| engine.grammars.compile(g)).transpose()?;
         let Generation { params, speculative, cache_window, .. } = generation;
         let needed = prompt.len() + params.max_tokens;
@@ -114,8 +119,12 @@ impl Generator {
         self.seq.cache = empty;
     }
 
-    /// After a step: a finished sequence's KV goes to the prompt cache; a failed one's is never offered.
+    /// After a step: once the prompt is in, a cache that shares loops keeps only the last loop's KV; a finished
+    /// sequence's KV goes to the prompt cache; a failed one's is never offered.
     fn settled(&mut self, step: Result<Step>) -> Result<Step> {
+        if self.seq.pos >= self.seq.prompt.len() {
+            self.seq.cache.collapse(self.loops); // the prompt is in: from here on, loops share the last one's KV
+        }
         match &step {
             Ok(Step { finish: Some(_), .. }) => self.keep_prefix(),
             Err(_) => self.offered = true,

@@ -22,7 +22,10 @@ use crate::error::{Error, Result};
 use crate::kernels::AttnShape;
 use crate::limits::WINDOW_SLACK;
 
+mod share;
 mod snapshot;
+
+pub use share::LoopShare;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
@@ -130,11 +133,13 @@ pub struct KvCache {
     /// Sliding window W (0: every earlier position is visible).
     window: usize,
     slots: Vec<Option<SlotBuf>>,
+    /// Loops share one slot per block layer once the prompt is in (`share.rs`); `None`: a slot per (loop, layer).
+    share: Option<LoopShare>,
 }
 
 impl KvCache {
     pub fn new(kind: KvKind, shape: AttnShape, capacity: usize, n_slots: usize) -> Self {
-        Self { kind, shape, capacity, window: 0, slots: (0..n_slots).map(|_| None).collect() }
+        Self { kind, shape, capacity, window: 0, slots: (0..n_slots).map(|_| None).collect(), share: None }
     }
 
     /// Restrict attention to the last `window` positions (0: no window) and let slots drop older ones.
@@ -157,7 +162,7 @@ impl KvCache {
 
     /// Positions held by `slot` (0 if never written): one past the last, counting dropped ones.
     pub fn slot_len(&self, slot: usize) -> usize {
-        match self.slots.get(slot) {
+        match self.slots.get(self.physical(slot)) {
             Some(Some(buf)) => each_slot!(buf, s => s.len),
             _ => 0,
         }
@@ -229,6 +234,7 @@ impl KvCache {
             return Err(Error::ContextLength { needed: hi + 1, limit: self.capacity });
         }
         let have = self.slot_len(slot);
+        let slot = self.physical(slot);
         if lo > have {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
@@ -265,7 +271,7 @@ impl KvCache {
                 }),
             });
         }
-        Some(KvCache { kind: self.kind, shape: self.shape, capacity, window, slots })
+        Some(KvCache { kind: self.kind, shape: self.shape, capacity, window, slots, share: self.share })
     }
 
     /// Positions every written slot holds from position 0 (0 when none was written or a window dropped some).

@@ -46,6 +46,8 @@ pub struct Model {
     block: Vec<Layer>,
     rope: Rope,
     kv_kind: KvKind,
+    /// Whether caches share one slot per block layer across loops after the prompt (`kv_share = "last"`).
+    kv_share: bool,
     /// Whether `run_blocks` runs a batch's sequences in one group per thread (see there).
     split_batches: bool,
 }
@@ -102,6 +104,7 @@ impl Model {
             block,
             rope,
             kv_kind,
+            kv_share: false,
             split_batches,
         })
     }
@@ -115,11 +118,26 @@ impl Model {
         self.kv_kind = kind;
     }
 
+    pub fn kv_share(&self) -> bool {
+        self.kv_share
+    }
+
+    /// Make caches made from now on share one slot per block layer across loops once their prompt is in.
+    pub fn set_kv_share(&mut self, share: bool) {
+        self.kv_share = share;
+    }
+
     /// A fresh cache for one sequence of up to `capacity` positions (memory is touched only as it fills).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let shape =
             AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
-        KvCache::new(self.kv_kind, shape, capacity, self.cfg.prelude_count + MAX_LOOPS * self.cfg.block_count)
+        let (prelude, block) = (self.cfg.prelude_count, self.cfg.block_count);
+        let cache = KvCache::new(self.kv_kind, shape, capacity, prelude + MAX_LOOPS * block);
+        if self.kv_share {
+            cache.with_shared_loops(prelude, block)
+        } else {
+            cache
+        }
     }
 
     /// Cache slot of block layer `layer` in loop `lp` (0-based); prelude layers take the first slots.

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from .config import DEFAULT_MODEL, KV_CACHE_MODES, api_keys
+from .config import DEFAULT_MODEL, KV_CACHE_MODES, KV_SHARE_MODES, api_keys
 from .defaults import ConfigError, load_defaults
 from .residency import CatalogError, scan_catalog
 
@@ -37,6 +37,8 @@ ENV_HELP = """environment variables:
   TINYLOOP_LAZY_LOAD          1: load the model on the first request that needs it, not at start-up
   TINYLOOP_IDLE_UNLOAD_SECONDS  unload the model after this many seconds in which no request needed it (implies
                               lazy loading; health probes and metrics scrapes do not count)
+  TINYLOOP_KV_SHARE           last: after the prompt, the loops share the last loop's KV (1/loops of the memory
+                              per position; no speculative decoding, no prompt reuse); none (default): one per loop
   TINYLOOP_NO_PROMPT_CACHE    1: do not reuse earlier requests' KV for prompts that start the same way
   TINYLOOP_PROMPT_CACHE_MIB, TINYLOOP_PROMPT_CACHE_ENTRIES
                               bounds of the in-memory prompt cache (default 256 MiB, 4 prefixes)
@@ -82,6 +84,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=KV_CACHE_MODES,
         default=None,
         help="KV-cache mode, else TINYLOOP_KV_CACHE (or the older switches), else fp16",
+    )
+    p.add_argument(
+        "--kv-share",
+        choices=KV_SHARE_MODES,
+        default=None,
+        help="last: loops share the last loop's KV after the prompt; else TINYLOOP_KV_SHARE, else none",
     )
     p.add_argument(
         "--generate-config",
@@ -238,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
         ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
         ("TINYLOOP_KV_CACHE", args.kv_cache),
+        ("TINYLOOP_KV_SHARE", args.kv_share),
         ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
         ("TINYLOOP_PROFILE_DIR", args.profile),
         ("TINYLOOP_MODELS_DIR", args.models_dir),

@@ -12,6 +12,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default.tinylo
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 4 MiB JSON body holds a prompt of ~500k token ids: past any context length
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds of wall time one request may take, queueing included
 KV_CACHE_MODES = ("fp16", "int8", "int4", "int4-h")
+KV_SHARE_MODES = ("none", "last")
 DEFAULT_PROMPT_CACHE_MIB = 256  # finished conversations' KV kept in memory for the next turn (prefix reuse)
 DEFAULT_PROMPT_CACHE_ENTRIES = 4
 DEFAULT_PROMPT_CACHE_DISK_MIB = 1024
@@ -42,6 +43,7 @@ class ServerConfig:
     models_dir: str | None = None  # serve every .tinyloop under it, one resident at a time (residency.py)
     lazy_load: bool = False  # load the model on the first request that needs it (residency.py)
     idle_unload_seconds: float = 0.0  # unload it after this long without a request (0: never); implies lazy_load
+    kv_share: str = "none"  # "last": after the prompt, loops share the last loop's KV (prompt reuse is then off)
     prompt_cache: bool = True  # reuse finished sequences' KV for prompts that start the same way (prefix reuse)
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES
@@ -72,6 +74,7 @@ class ServerConfig:
             models_dir=env.get("TINYLOOP_MODELS_DIR") or None,
             lazy_load=_flag("TINYLOOP_LAZY_LOAD"),
             idle_unload_seconds=float(env.get("TINYLOOP_IDLE_UNLOAD_SECONDS") or 0.0),
+            kv_share=env.get("TINYLOOP_KV_SHARE") or "none",
             prompt_cache=not _flag("TINYLOOP_NO_PROMPT_CACHE"),
             prompt_cache_mib=int(env.get("TINYLOOP_PROMPT_CACHE_MIB") or DEFAULT_PROMPT_CACHE_MIB),
             prompt_cache_entries=int(env.get("TINYLOOP_PROMPT_CACHE_ENTRIES") or DEFAULT_PROMPT_CACHE_ENTRIES),
@@ -85,6 +88,7 @@ class ServerConfig:
         return {
             "max_seq_len": self.max_seq_len,
             "kv_cache_mode": self.kv_cache_mode(),
+            "kv_share": self.kv_share,
             "prompt_cache_mib": self.prompt_cache_mib if on else 0,
             "prompt_cache_entries": self.prompt_cache_entries if on else 0,
             "prompt_cache_disk": self.prompt_cache_disk if on else None,

@@ -57,6 +57,7 @@ class ServerState:
             "default_loops": i.default_loops,
             "quant": i.quant,
             "kv_cache_mode": self.kv_cache_mode,
+            "kv_share": i.kv_share,
         }
 
     def runtime(self) -> dict[str, Any]:

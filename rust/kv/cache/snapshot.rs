@@ -192,7 +192,7 @@ impl KvCache {
         if !r.bytes.is_empty() {
             return Err(Error::Internal(format!("KV snapshot has {} bytes past its end", r.bytes.len())));
         }
-        Ok(KvCache { kind, shape, capacity, window: 0, slots })
+        Ok(KvCache { kind, shape, capacity, window: 0, slots, share: None })
     }
 }
 
