@@ -24,7 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tinyloop
-from quant_models import DEFAULT, ROOT
+from quant_models import DEFAULT, HELDOUT, ROOT
 from tinyloop.modelfile.evaluate import held_out_ids
 
 ROWS = [("fp16", "none"), ("fp16", "last"), ("int8", "last"), ("int4-h", "last")]
@@ -50,10 +50,7 @@ def score(engine: tinyloop.Engine, ids: list[int], loops: int, prompt: int, deco
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    corpus = ROOT / "data" / "corpus" / "heldout.txt"
-    ap.add_argument(
-        "--heldout", type=Path, default=corpus if corpus.exists() else ROOT / "tests" / "data" / "heldout_sample.txt"
-    )
+    ap.add_argument("--heldout", type=Path, default=HELDOUT)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)

@@ -14,6 +14,9 @@ from tinyloop.modelfile.format import ModelConfig, random_weights, write_model
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
 CACHE = ROOT / ".benchmarks" / "quant"
+# The held-out split when the training corpus has been built here (training/README.md), else the sample tests ship.
+_CORPUS_HELDOUT = ROOT / "data" / "corpus" / "heldout.txt"
+HELDOUT = _CORPUS_HELDOUT if _CORPUS_HELDOUT.exists() else ROOT / "tests" / "data" / "heldout_sample.txt"
 
 # The 407M seed shape (dim 2048, 16 heads, ffn 8192, k = 4): its weights do not fit any cache, so a decode step
 # streams them from memory.

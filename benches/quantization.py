@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tinyloop
-from quant_models import ROOT, model_path
+from quant_models import HELDOUT, model_path
 from tinyloop.modelfile.evaluate import evaluate, held_out_ids
 
 LOOPS = 8
@@ -129,10 +129,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    corpus = ROOT / "data" / "corpus" / "heldout.txt"
-    ap.add_argument(
-        "--heldout", type=Path, default=corpus if corpus.exists() else ROOT / "tests" / "data" / "heldout_sample.txt"
-    )
+    ap.add_argument("--heldout", type=Path, default=HELDOUT)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--bench", type=Path, default=None, help="pytest-benchmark JSON of benches/bench_quant.py")
     ap.add_argument("--json", type=Path, default=None)
