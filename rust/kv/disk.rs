@@ -16,8 +16,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::prefix::PrefixKey;
-use super::{KvCache, KvKind};
+use super::cache::{KvCache, KvKind};
 use crate::kernels::AttnShape;
 
 const MAGIC: &[u8; 8] = b"TLPROMPT";
@@ -25,6 +24,14 @@ const VERSION: u32 = 1;
 const EXT: &str = "tlpc";
 /// Longest identity string a header may carry (a damaged length must not allocate much).
 const MAX_IDENTITY: usize = 4096;
+
+/// What must match for a prefix's KV to be reusable (for an entry in memory and a file alike): the loop depth and the
+/// attention window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixKey {
+    pub loops: usize,
+    pub window: usize,
+}
 
 #[derive(Debug, Clone)]
 pub struct DiskConfig {

@@ -1,4 +1,4 @@
-//! The KV cache (`cache.rs`: storage, windows, rollback), the formats it stores rows in (`elem.rs`), attention
+//! The KV cache (`cache/`: storage, windows, rollback, loops sharing KV, encoding), the formats it stores rows in (`elem.rs`), attention
 //! over it (`attend.rs`), and the prompt cache of finished sequences' KV (`prefix.rs`, with its files: `disk.rs`).
 
 mod attend;
@@ -9,5 +9,5 @@ mod prefix;
 
 pub use attend::RowLayout;
 pub use cache::{KvCache, KvKind};
-pub use disk::{hash_file, DiskConfig};
-pub use prefix::{PrefixConfig, PrefixKey, PrefixStore, Reused};
+pub use disk::{hash_file, DiskConfig, PrefixKey};
+pub use prefix::{PrefixConfig, PrefixStore, Reused};

@@ -10,15 +10,8 @@
 
 use std::sync::Mutex;
 
-use super::disk::{Disk, DiskConfig};
-use super::KvCache;
-
-/// What must match for KV to be reusable: the loop depth and the attention window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixKey {
-    pub loops: usize,
-    pub window: usize,
-}
+use super::cache::KvCache;
+use super::disk::{Disk, DiskConfig, PrefixKey};
 
 /// Bounds of the in-memory cache (0 entries: off) and, optionally, its directory.
 #[derive(Debug, Clone, Default)]

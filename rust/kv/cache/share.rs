@@ -7,16 +7,7 @@
 //!
 //! Memory per position after the prompt: `prelude + block` slots instead of `prelude + loops · block`.
 
-use super::KvCache;
-
-/// Where the loops' slots start and how many layers a loop has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoopShare {
-    pub prelude: usize,
-    pub block: usize,
-    /// Set by `collapse`: loop slots now alias their layer's one slot.
-    collapsed: bool,
-}
+use super::{KvCache, LoopShare};
 
 impl KvCache {
     /// Share one slot per block layer across loops once `collapse` is called (slots below `prelude` are the

@@ -16,16 +16,14 @@
 
 use half::f16;
 
-use super::attend::{attend, Ctx, RowLayout, SlotView};
-use super::elem::{hadamard, KvElem, Nibbles};
 use crate::error::{Error, Result};
 use crate::kernels::AttnShape;
+use crate::kv::attend::{attend, Ctx, RowLayout, SlotView};
+use crate::kv::elem::{hadamard, KvElem, Nibbles};
 use crate::limits::WINDOW_SLACK;
 
 mod share;
 mod snapshot;
-
-pub use share::LoopShare;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
@@ -124,6 +122,15 @@ macro_rules! each_slot {
             SlotBuf::I4($s) => $body,
         }
     };
+}
+
+/// Where the loops' slots start and how many layers a loop has, for a cache whose loops share KV (`share.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopShare {
+    prelude: usize,
+    block: usize,
+    /// Set by `collapse`: loop slots now alias their layer's one slot.
+    collapsed: bool,
 }
 
 pub struct KvCache {
