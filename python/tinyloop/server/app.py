@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
 from ..errors import APIError
-from . import anthropic, compact, lmstudio, native, openai, profiling, responses, tokens
+from . import anthropic, compact, lmstudio, native, openai, page, profiling, responses, tokens
 from .config import ServerConfig
 from .defaults import ConfigError, load_defaults
 from .gate import Gate, InFlight
@@ -229,7 +229,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     async def metrics_json():
         return metrics.snapshot()
 
-    for family in (openai, responses, compact, anthropic, lmstudio, native, tokens):
+    for family in (openai, responses, compact, anthropic, lmstudio, native, tokens, page):
         app.include_router(family.router)
     if state.profiler is not None:
         app.include_router(profiling.router)

@@ -23,6 +23,7 @@ import orjson
 
 from ..errors import APIError
 from .metrics import Metrics
+from .page import PUBLIC_PATHS
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -81,7 +82,7 @@ class Gate:
         await self._run_watched(scope, receive, counted, body)
 
     def _authorize(self, scope: Scope) -> None:
-        if not self.api_keys or scope["path"] == "/health":
+        if not self.api_keys or scope["path"] == "/health" or scope["path"] in PUBLIC_PATHS:
             return
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")

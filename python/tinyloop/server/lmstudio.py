@@ -1,5 +1,6 @@
 """The LM Studio family (`/api/v0`): the OpenAI endpoints with the loop knobs (`mode`, speculative settings,
-`cache_window`, `repetition_penalty`) and, in non-streamed answers, `stats`, `model_info` and `runtime`."""
+`cache_window`, `repetition_penalty`) and `stats`, `model_info` and `runtime` — in a non-streamed answer's body, and
+in a stream's final (usage) chunk."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from .state import ServerState, State
 router = APIRouter(prefix="/api/v0")
 
 
+def sections(state: ServerState, r: RunningRequest) -> dict[str, Any]:
+    return {"stats": r.stats(), "model_info": state.model_info(), "runtime": state.runtime()}
+
+
 def with_sections(state: ServerState, r: RunningRequest, body: dict[str, Any]) -> dict[str, Any]:
-    return {**body, "stats": r.stats(), "model_info": state.model_info(), "runtime": state.runtime()}
+    return {**body, **sections(state, r)}
 
 
 @router.get("/models")
@@ -32,7 +37,7 @@ async def chat(req: LMChatCompletionRequest, state: State):
         plan,
         req.stream,
         lambda r: with_sections(state, r, openai.chat_body(req, r)),
-        lambda r: openai.chat_events(req, r),
+        lambda r: openai.chat_events(req, r, lambda r: sections(state, r)),
     )
 
 
@@ -44,5 +49,5 @@ async def completions(req: LMCompletionRequest, state: State):
         plan,
         req.stream,
         lambda r: with_sections(state, r, openai.completion_body(req, r)),
-        lambda r: openai.completion_events(req, r),
+        lambda r: openai.completion_events(req, r, lambda r: sections(state, r)),
     )

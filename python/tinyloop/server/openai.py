@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -168,9 +168,13 @@ class _Handed:
         return c.tokens[start:count], c.logprobs[start:count]
 
 
-def _chunker(req: OpenAISampling, obj: str, prefix: str):
+Sections = Callable[[RunningRequest], dict[str, Any]]
+
+
+def _chunker(req: OpenAISampling, obj: str, prefix: str, sections: Sections | None = None):
     """The chunk framing of one stream: its id and fields, and `usage: null` in every chunk when the client asked
-    for usage. Every stream ends with a usage chunk (`choices: []`) before `[DONE]`, asked for or not."""
+    for usage. Every stream ends with a usage chunk (`choices: []`, plus what `sections` adds: the LM Studio
+    family's stats) before `[DONE]`, asked for or not."""
     base = {"id": new_id(prefix), "object": obj, "created": int(time.time()), "model": req.model}
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -178,14 +182,16 @@ def _chunker(req: OpenAISampling, obj: str, prefix: str):
         return sse({**base, "choices": choices, **({"usage": None} if with_usage else {})})
 
     def tail(r: RunningRequest) -> list[bytes]:
-        usage = sse({**base, "choices": [], "usage": r.usage()})
+        usage = sse({**base, "choices": [], "usage": r.usage(), **(sections(r) if sections else {})})
         return [usage, stream_error(error), SSE_DONE] if (error := r.error()) is not None else [usage, SSE_DONE]
 
     return chunk, tail
 
 
-async def chat_events(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIterator[bytes]:
-    chunk, tail = _chunker(req, "chat.completion.chunk", "chatcmpl-")
+async def chat_events(
+    req: ChatCompletionRequest, r: RunningRequest, sections: Sections | None = None
+) -> AsyncIterator[bytes]:
+    chunk, tail = _chunker(req, "chat.completion.chunk", "chatcmpl-", sections)
     for i in range(len(r.choices)):
         yield chunk([{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}])
     handed = _Handed(r) if req.wanted_logprobs() is not None else None
@@ -208,8 +214,10 @@ async def chat_events(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIte
         yield event
 
 
-async def completion_events(req: CompletionRequest, r: RunningRequest) -> AsyncIterator[bytes]:
-    chunk, tail = _chunker(req, "text_completion", "cmpl-")
+async def completion_events(
+    req: CompletionRequest, r: RunningRequest, sections: Sections | None = None
+) -> AsyncIterator[bytes]:
+    chunk, tail = _chunker(req, "text_completion", "cmpl-", sections)
     handed = _Handed(r)
     texts = [0] * len(r.choices)  # characters sent per choice: the next chunk's text_offset
     for i, c in enumerate(r.choices):
