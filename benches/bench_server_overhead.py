@@ -5,12 +5,13 @@ default model.
     pytest benches/bench_server_overhead.py --benchmark-json=.benchmarks/server-overhead.json
     python benches/report_server_overhead.py .benchmarks/server-overhead.json
 
-The engine side feeds the chat template's text (`render_chat`, as the server renders it) to `Engine.stream` in
-this process and reads every event; the server side (`tinyloop-serve` in its own process, loopback) adds the HTTP
-layer, the chat stop strings, the streaming detokenizer, SSE framing and the SDK's parsing. Both decode
-`TOKENS` tokens with `ignore_eos` (a case fails if a stop string ends the answer early, so the counts match). Each
-round runs the engine stream first (pytest-benchmark's untimed `setup`, timed here) and then the request, so the
-two best times come from the same stretch of the run: this machine's speed drifts by 10-30% over a minute.
+The engine side feeds the chat template's text (`template.render_chat`, as the server renders it for a file without
+its own template) to `Engine.stream` in this process and reads every event; the server side (`tinyloop-serve` in its
+own process, loopback) adds the HTTP layer, the chat stop strings, the streaming detokenizer, SSE framing and the
+SDK's parsing. Both decode `TOKENS` tokens with `ignore_eos` (a case fails if a stop string ends the answer early,
+so the counts match). Each round runs the engine stream first (pytest-benchmark's untimed `setup`, timed here) and
+then the request, so the two best times come from the same stretch of the run: this machine's speed drifts by 10-30%
+over a minute.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import pytest
 
 import tinyloop
 from tinyloop import Generation, SamplingParams
-from tinyloop.server.openai import render_chat
 from tinyloop.server.protocol import ChatMessage
+from tinyloop.server.template import render_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -662,6 +662,12 @@ impl Engine {
         }
     }
 
+    /// The file's chat template (`tokenizer.chat_template`, Jinja as Hugging Face writes it), or None.
+    #[getter]
+    fn chat_template(&self) -> Option<String> {
+        self.inner.chat_template.clone()
+    }
+
     #[getter]
     fn eos_token_id(&self) -> u32 {
         self.inner.tokenizer.eos_token_id

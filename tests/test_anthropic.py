@@ -15,7 +15,7 @@ from anthropic.types import message_create_params
 from serverutil import running_server
 from tinyloop import SamplingParams
 from tinyloop.server.anthropic import MessagesRequest
-from tinyloop.server.openai import render_chat
+from tinyloop.server.template import render_chat
 
 GREEDY = {"temperature": 0}
 HELLO = [{"role": "user", "content": "Hello there"}]

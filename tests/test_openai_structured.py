@@ -16,8 +16,8 @@ from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, Field
 
 from tinyloop import SamplingParams
-from tinyloop.server.openai import render_chat
 from tinyloop.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tinyloop.server.template import render_chat
 from tinyloop.server.tools import CallReader, ToolUse
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -13,8 +13,8 @@ from openai.types.responses import response_create_params
 from pydantic import BaseModel, Field
 
 from tinyloop import SamplingParams
-from tinyloop.server.openai import render_chat
 from tinyloop.server.responses import ResponsesRequest
+from tinyloop.server.template import render_chat
 
 WEATHER = {
     "type": "function",

@@ -204,6 +204,7 @@ def test_api_v0_sections(server, tiny):
         "default_loops": 3,
         "quant": "fp16",
         "kv_cache_mode": "fp16",
+        "kv_share": "none",
     }
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
     # The server process runs at the best level (test servers get no TINYLOOP_ variables).

@@ -38,6 +38,8 @@ pub struct ModelFile {
     pub quant: String,
     /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (`model::draft_head`), if listed.
     pub draft_ids: Option<Vec<u32>>,
+    /// `tokenizer.chat_template`: the Jinja template a chat is rendered with (as Hugging Face writes it), if any.
+    pub chat_template: Option<String>,
 }
 
 struct Reader<'a> {
@@ -205,6 +207,8 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
 }
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
+const CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+
 fn read_draft_ids(r: &Reader, vocab_size: usize) -> Result<Option<Vec<u32>>> {
     const KEY: &str = "tinyloop.draft.token_ids";
     if !r.metadata.contains_key(KEY) {
@@ -317,7 +321,11 @@ fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
     }
     let quant = majority_label(&block_types);
     let draft_ids = read_draft_ids(&r, config.vocab_size)?;
-    Ok(ModelFile { config, vocab, tensors, quant, draft_ids })
+    let chat_template = match r.metadata.contains_key(CHAT_TEMPLATE) {
+        true => Some(r.string(CHAT_TEMPLATE)?.to_string()),
+        false => None,
+    };
+    Ok(ModelFile { config, vocab, tensors, quant, draft_ids, chat_template })
 }
 
 /// A tensor the config implies has that shape, a type allowed for its rank, and rows of whole blocks.

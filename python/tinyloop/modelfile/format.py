@@ -122,6 +122,7 @@ def model_contents(
     weight_type: str = "F32",
     embedding_type: str | None = None,
     vocab: Vocabulary | None = None,
+    chat_template: str | None = None,
 ) -> GGUFContents:
     vocab = vocab or gpt2_vocabulary()
     if len(vocab) != cfg.vocab_size:
@@ -152,6 +153,8 @@ def model_contents(
             "tokenizer.ggml.add_bos_token": (False, V.BOOL),
         }
     )
+    if chat_template is not None:
+        meta["tokenizer.chat_template"] = (chat_template, V.STRING)
     tensors = {}
     for name, shape in shapes.items():
         array = np.asarray(weights[name], dtype=np.float32)
@@ -184,10 +187,11 @@ def write_model(
     weight_type: str = "F32",
     embedding_type: str | None = None,
     vocab: Vocabulary | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Write a `.tinyloop` file. `weight_type` applies to every matrix, `embedding_type` (default: the same) to
-    token_embd/output; norms are always F32."""
-    write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab))
+    token_embd/output; norms are always F32; `chat_template` (Jinja) is how chats are written for the model."""
+    write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab, chat_template))
 
 
 # ModelConfig field -> its metadata key under "tinyloop.", in the order files list them.

@@ -1,5 +1,5 @@
 """The Anthropic Messages family: `POST /v1/messages` (JSON, and SSE in Anthropic's event sequence) and
-`POST /v1/messages/count_tokens`. A request becomes the chat template's conversation (`openai.render_chat`):
+`POST /v1/messages/count_tokens`. A request becomes the chat template's conversation (`template.py`):
 `tool_use` blocks are the assistant's calls, `tool_result` blocks are tool messages, and the reply's calls come back
 as `tool_use` blocks. Errors on these routes have Anthropic's shape (`errors.py`)."""
 
@@ -15,12 +15,12 @@ from pydantic import Field
 
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, Generation, Grammar
 from ..errors import APIError
-from .openai import CHAT_DEFAULT_STOP, render_chat
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
 from .structured import NAME_PATTERN
+from .template import DEFAULT_STOP, ChatFormat
 from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse, with_calls
 
 router = APIRouter()
@@ -87,9 +87,9 @@ class Conversation(Strict):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
 
-    def prompt(self) -> str:
+    def prompt(self, chat: ChatFormat) -> str:
         """The text `/v1/messages` prefills: the chat template over the conversation and the tools."""
-        return render_chat(self.conversation(), self.tool_use())
+        return chat.render(self.conversation(), self.tool_use())
 
     def check_conversation(self) -> None:
         if self.thinking is not None and self.thinking.type != "disabled":
@@ -186,7 +186,8 @@ class MessagesRequest(Conversation):
 async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
-    prompts = await tokenize(state, [req.prompt()])
+    chat = state.chat_format()
+    prompts = await tokenize(state, [req.prompt(chat)])
     engine, _ = state.require_engine()
     generations = [
         with_drafts(
@@ -197,7 +198,7 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
         )
         for g in req.sampling().generations()
     ]
-    stop = [*(req.stop_sequences or []), *CHAT_DEFAULT_STOP]
+    stop = [*(req.stop_sequences or []), *chat.stops]
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "output_config"
     mode = "generate" if req.draft_loops is None else "speculative"
@@ -232,7 +233,7 @@ def _stop(r: RunningRequest, called: bool) -> tuple[str, str | None]:
         return "max_tokens", None
     if called:
         return "tool_use", None
-    if c.stop_string is not None and c.stop_string not in CHAT_DEFAULT_STOP:
+    if c.stop_string is not None and c.stop_string not in DEFAULT_STOP:
         return "stop_sequence", c.stop_string
     return "end_turn", None
 
@@ -323,4 +324,4 @@ async def messages(req: MessagesRequest, state: State):
 async def count_tokens(req: Conversation, state: State):
     """The tokens `/v1/messages` would prefill for the same request; nothing is generated."""
     req.check_conversation()
-    return {"input_tokens": len((await tokenize(state, [req.prompt()]))[0])}
+    return {"input_tokens": len((await tokenize(state, [req.prompt(state.chat_format())]))[0])}

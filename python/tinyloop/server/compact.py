@@ -20,10 +20,10 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..errors import APIError
-from .openai import render_chat
 from .responses import FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ResponsesRequest
 from .state import State
 from .strict import Strict
+from .template import ChatFormat
 
 router = APIRouter()
 
@@ -70,7 +70,7 @@ class Window:
         r = ResponsesRequest(
             model=self.req.model, input=items, instructions=self.req.instructions, tools=self.req.tools
         )
-        return len(self.engine.encode(render_chat(r.conversation(), r.tool_use())))
+        return len(self.engine.encode(ChatFormat(self.engine).render(r.conversation(), r.tool_use())))
 
     @staticmethod
     def _back(items: list[Any], i: int) -> int:

@@ -15,27 +15,13 @@ from fastapi import APIRouter
 from ..errors import APIError
 from .generation import ChoiceRun
 from .logprobs import Echo, Entry, chat_content, completion_lists, echo
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error
 from .state import ServerState, State
-from .tools import CallReader, ToolUse, render_calls, with_calls
+from .tools import CallReader, with_calls
 
 router = APIRouter()
-
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
-# A raw LM keeps writing the conversation; these end the assistant's turn unless the request gives its own `stop`.
-CHAT_DEFAULT_STOP = ["\nUser:", "\nSystem:", "\nAssistant:", "\nTool:"]
-
-
-def render_chat(messages: list[ChatMessage], tools: ToolUse | None = None) -> str:
-    """The "Role: content" template: the tools' system line if any, one line per message (an assistant's calls
-    after its text), then the opened assistant turn."""
-    lines = [f"System: {tools.preamble()}\n"] if tools else []
-    for m in messages:
-        calls = render_calls(m.tool_calls) if m.tool_calls else ""
-        lines.append(f"{ROLE_NAMES[m.role]}: {m.text()}{calls}\n")
-    return "".join(lines) + "Assistant:"
 
 
 def new_id(prefix: str) -> str:
@@ -45,8 +31,9 @@ def new_id(prefix: str) -> str:
 async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
-    prompts = await tokenize(state, [render_chat(req.messages, req.tool_use())])
-    stop = req.stops(CHAT_DEFAULT_STOP)
+    chat = state.chat_format()
+    prompts = await tokenize(state, [chat.render(req.messages, req.tool_use())])
+    stop = req.stops(chat.stops)
     return Plan(prompts, req.generations(), req.mode_label(), stop, lstrip=True, grammar_param=req.grammar_param())
 
 

@@ -1,5 +1,5 @@
 """The Responses family: `POST /v1/responses`, JSON and SSE in the Responses event sequence. A request becomes the
-chat template's conversation (`openai.render_chat`): `instructions` is the system line, `function_call` items are
+chat template's conversation (`template.py`): `instructions` is the system line, `function_call` items are
 the assistant's calls and `function_call_output` items tool messages; the reply's calls come back as
 `function_call` output items. Nothing is stored: `store: true` and `previous_response_id` are refused by name."""
 
@@ -17,7 +17,6 @@ from pydantic import Field, model_validator
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, Generation, Grammar
 from ..errors import APIError
 from .generation import ChoiceRun
-from .openai import CHAT_DEFAULT_STOP, render_chat
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
@@ -184,13 +183,14 @@ class ResponsesRequest(Strict):
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
-    prompts = await tokenize(state, [render_chat(req.conversation(), req.tool_use())])
+    chat = state.chat_format()
+    prompts = await tokenize(state, [chat.render(req.conversation(), req.tool_use())])
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "text.format"
     engine, _ = state.require_engine()
     generation = with_drafts(req.generation(), req.draft_loops, req.draft_ahead, engine.info.default_loops)
     mode = "generate" if req.draft_loops is None else "speculative"
-    return Plan(prompts, [generation], mode, CHAT_DEFAULT_STOP, lstrip=True, grammar_param=param)
+    return Plan(prompts, [generation], mode, chat.stops, lstrip=True, grammar_param=param)
 
 
 def _message(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:

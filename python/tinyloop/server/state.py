@@ -15,6 +15,7 @@ from ..errors import APIError
 from .protocol import MAX_TOKENS_LIMIT
 from .residency import NO_LOAD, Residency
 from .runner import EngineRunner
+from .template import ChatFormat
 
 TOKENIZER_THREADS = 2  # encoding releases the GIL; prompts take milliseconds, the engine thread is the bottleneck
 
@@ -44,6 +45,11 @@ class ServerState:
         if self.engine is None or self.runner is None:
             raise APIError(503, f"Engine not loaded: {self.load_error}", code="engine_not_loaded")
         return self.engine, self.runner
+
+    def chat_format(self) -> ChatFormat:
+        """How the loaded model's conversations are written (its file's chat template, or "Role: content")."""
+        engine, _ = self.require_engine()
+        return ChatFormat(engine)
 
     def model_info(self) -> dict[str, Any]:
         engine, _ = self.require_engine()
