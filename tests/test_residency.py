@@ -48,8 +48,8 @@ def test_lazy_load_loads_on_demand_and_unload_frees_it(tiny, tiny_engine):
 
 def test_idle_unload_after_the_given_seconds(tiny):
     with running_server(tiny.path, "--idle-unload-seconds", "0.5") as base:
-        first = completion_text(base)
-        assert httpx.get(f"{base}/health").json()["resident"] is True
+        first = completion_text(base)  # answered, so loaded (whether it is still resident depends on how long since)
+        assert first
         deadline = time.monotonic() + 20  # health probes every 50 ms must not keep the model loaded
         while httpx.get(f"{base}/health").json()["resident"] and time.monotonic() < deadline:
             time.sleep(0.05)
