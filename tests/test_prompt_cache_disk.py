@@ -116,3 +116,16 @@ def test_the_directory_is_bounded_in_bytes(model_factory, tmp_path):
     again = tinyloop.Engine(path, prompt_cache_disk=tmp_path, prompt_cache_disk_mib=1)
     assert again.generate([*_prompt(200, seed=23), 1], GREEDY).cached_tokens == 200
     assert again.generate([*_prompt(200, seed=20), 1], GREEDY).cached_tokens == 0
+
+
+def test_a_file_over_the_memory_bound_leaves_the_memorys_best(tiny, tmp_path):
+    long = _prompt(250, seed=30)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    writer = tinyloop.Engine(tiny.path, prompt_cache_disk=tmp_path)
+    writer.generate(long, params, loops=8)  # 251 positions × 17 slots × 256 bytes: just over 1 MiB
+    writer.prompt_cache_flush()
+    reader = tinyloop.Engine(tiny.path, prompt_cache_disk=tmp_path, prompt_cache_mib=1)
+    reader.generate(long[:20], SamplingParams(temperature=0.0, max_tokens=1), loops=8)  # a 20-token entry in memory
+    out = reader.generate([*long, 5], params, loops=8)
+    assert out.cached_tokens == 20  # the file is longer but cannot be held: the memory's prefix is used
+    assert reader.prompt_cache_usage[1] <= 1 << 20

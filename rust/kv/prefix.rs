@@ -90,8 +90,11 @@ impl PrefixStore {
         let (mut m, mut at) = best.unwrap_or((0, usize::MAX));
         if let Some(disk) = &self.disk {
             if let Some((tokens, cache)) = disk.load_longer(key, prompt, m, limit, &mut state.notices) {
-                m = common_prefix(&tokens, prompt).min(limit);
-                at = self.insert(&mut state, key, tokens, cache, false)?;
+                let longer = common_prefix(&tokens, prompt).min(limit);
+                // A file over the memory bound is not adopted (nothing is evicted for it): the memory's best stands.
+                if let Some(i) = self.insert(&mut state, key, tokens, cache, false) {
+                    (m, at) = (longer, i);
+                }
             }
         }
         if m == 0 {
