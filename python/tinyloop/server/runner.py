@@ -176,11 +176,6 @@ class EngineRunner:
         """Called from the engine thread only (it owns `_running`). The running count is set last, so a reader
         that sees it fall to 0 also sees the KV bytes and the queue as they are then."""
         self.metrics.kv_cache_bytes.set(sum(j.stream.kv_bytes for j in self._running))
-        entries, held = self.engine.prompt_cache_usage
-        self.metrics.prompt_cache_bytes.set(held)
-        self.metrics.prompt_cache_entries.set(entries)
-        for notice in self.engine.prompt_cache_notices():
-            log.warning("%s", notice)
         self.metrics.requests_waiting.set(len(self._waiting))
         self.metrics.requests_running.set(len(self._running))
 
@@ -189,12 +184,22 @@ class EngineRunner:
         self._running.remove(job)
         job.draft_stats = job.stream.draft_stats
         job.stream.release()  # its KV goes to the prompt cache before the next step looks there
+        self._prompt_cache_report()
         _, proposed, accepted = job.draft_stats
         if proposed:
             self.metrics.draft_proposed.labels(job.mode).inc(proposed)
             self.metrics.draft_accepted.labels(job.mode).inc(accepted)
         if job.cancelled:
             self.metrics.cancel_steps.observe(self.steps - (job.cancelled_at_step or 0))
+
+    def _prompt_cache_report(self) -> None:
+        """The prompt cache's gauges and what it skipped (damaged or foreign files), logged: it changes when a job
+        leaves (its KV is offered) or starts (a file may be read), so this runs per job, not per step."""
+        entries, held = self.engine.prompt_cache_usage
+        self.metrics.prompt_cache_bytes.set(held)
+        self.metrics.prompt_cache_entries.set(entries)
+        for notice in self.engine.prompt_cache_notices():
+            log.warning("%s", notice)
 
     def _deliver(self, job: Job, item: StepEvent | Ended) -> None:
         job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
