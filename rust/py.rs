@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -21,6 +21,7 @@ use crate::limits::{
     MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOGPROBS, MAX_LOOPS, MAX_TOP_K,
     MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_SLACK,
 };
+use crate::model::AutoDepth as RsAutoDepth;
 use crate::sampler::SamplingParams as RsParams;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
@@ -258,6 +259,64 @@ impl PySpeculative {
     }
 }
 
+/// Adaptive depth: each generated token stops looping after loop `d >= max(min_loops, 2)` once the KL divergence of
+/// its exit distribution at `d` from the one at `d - 1` is below `threshold`, and at `max_loops` at the latest (the
+/// model's default loops when None). `loops="auto"` is `AutoDepth()`. Checked when a generation starts.
+#[pyclass(name = "AutoDepth", frozen, from_py_object, module = "tinyloop._core")]
+#[derive(Clone)]
+struct PyAutoDepth {
+    rule: RsAutoDepth,
+    max_loops: Option<usize>,
+}
+
+#[pymethods]
+impl PyAutoDepth {
+    #[new]
+    #[pyo3(signature = (min_loops=RsAutoDepth::DEFAULT_MIN_LOOPS, max_loops=None, threshold=RsAutoDepth::DEFAULT_THRESHOLD))]
+    fn new(min_loops: usize, max_loops: Option<usize>, threshold: f32) -> Self {
+        Self { rule: RsAutoDepth { min_loops, threshold }, max_loops }
+    }
+
+    #[getter]
+    fn min_loops(&self) -> usize {
+        self.rule.min_loops
+    }
+    #[getter]
+    fn max_loops(&self) -> Option<usize> {
+        self.max_loops
+    }
+    #[getter]
+    fn threshold(&self) -> f32 {
+        self.rule.threshold
+    }
+
+    fn __repr__(&self) -> String {
+        let max = self.max_loops.map_or("None".to_string(), |l| l.to_string());
+        format!("AutoDepth(min_loops={}, max_loops={max}, threshold={})", self.rule.min_loops, self.rule.threshold)
+    }
+}
+
+/// `loops` as Python gives it: a depth, `"auto"`, or an `AutoDepth`.
+#[derive(FromPyObject)]
+enum LoopsArg {
+    Fixed(usize),
+    Auto(PyAutoDepth),
+    Name(String),
+}
+
+/// A `loops` argument as (fixed depth or adaptive maximum, adaptive rule).
+fn depth_of(loops: Option<LoopsArg>) -> PyResult<(Option<usize>, Option<RsAutoDepth>)> {
+    match loops {
+        None => Ok((None, None)),
+        Some(LoopsArg::Fixed(n)) => Ok((Some(n), None)),
+        Some(LoopsArg::Auto(a)) => Ok((a.max_loops, Some(a.rule))),
+        Some(LoopsArg::Name(name)) if name == "auto" => Ok((None, Some(RsAutoDepth::default()))),
+        Some(LoopsArg::Name(name)) => {
+            Err(PyValueError::new_err(format!("loops must be an int, \"auto\" or an AutoDepth, got {name:?}")))
+        }
+    }
+}
+
 /// What an output must match: `Grammar.json_schema(schema)` (a dict, or JSON text), `Grammar.lark(text)` (llguidance's
 /// Lark dialect) or `Grammar.regex(pattern)`. Compiled when a generation starts: a grammar that cannot be compiled
 /// raises `InvalidRequestError` naming the cause.
@@ -325,23 +384,29 @@ impl PyGeneration {
     #[pyo3(signature = (params=None, *, loops=None, speculative=None, cache_window=0, grammar=None))]
     fn new(
         params: Option<&SamplingParams>,
-        loops: Option<usize>,
+        loops: Option<LoopsArg>,
         speculative: Option<&PySpeculative>,
         cache_window: usize,
         grammar: Option<&PyGrammar>,
-    ) -> Self {
+    ) -> PyResult<Self> {
         let params = params.map(|p| p.0.clone()).unwrap_or_default();
         let grammar = grammar.map(|g| g.0.clone());
-        Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window, grammar })
+        let (loops, auto) = depth_of(loops)?;
+        Ok(Self(RsGeneration { params, loops, speculative: speculative.map(|s| s.0), cache_window, grammar, auto }))
     }
 
     #[getter]
     fn params(&self) -> SamplingParams {
         SamplingParams(self.0.params.clone())
     }
+    /// The fixed depth, or the most loops under adaptive depth (None: the model's default).
     #[getter]
     fn loops(&self) -> Option<usize> {
         self.0.loops
+    }
+    #[getter]
+    fn auto(&self) -> Option<PyAutoDepth> {
+        self.0.auto.map(|rule| PyAutoDepth { rule, max_loops: self.0.loops })
     }
     #[getter]
     fn speculative(&self) -> Option<PySpeculative> {
@@ -386,6 +451,8 @@ struct Completion {
     draft_rounds: usize,
     draft_proposed: usize,
     draft_accepted: usize,
+    /// Under adaptive depth: (tokens it decided, loops they ran); (0, 0) otherwise.
+    auto_loops: (usize, usize),
 }
 
 /// One streamed step: a token (`token_id` >= 0, with its bytes, and its log-probability when asked for) and/or the
@@ -479,10 +546,17 @@ impl TokenStream {
     }
 
     /// The loop depth every token is chosen at: the requested loops (the model's default when None), or
-    /// verify_loops when speculative.
+    /// verify_loops when speculative; the most loops under adaptive depth.
     #[getter]
     fn loops(&self) -> usize {
         self.generator.loops()
+    }
+
+    /// Under adaptive depth: (tokens it decided so far, loops they ran); (0, 0) otherwise.
+    #[getter]
+    fn auto_loops(&self) -> (usize, usize) {
+        let a = self.generator.auto_loops();
+        (a.tokens, a.loops)
     }
 }
 
@@ -553,7 +627,7 @@ impl Engine {
 /// keywords, or a whole `Generation` with the others left at their defaults. Either way one `Generation` results.
 struct Keywords<'a, 'py> {
     params: Option<&'a Bound<'py, PyAny>>,
-    loops: Option<usize>,
+    loops: Option<LoopsArg>,
     draft: Option<(usize, usize)>,
     k_branches: usize,
     cache_window: usize,
@@ -580,6 +654,7 @@ impl Keywords<'_, '_> {
                 Err(_) => return Err(PyTypeError::new_err("params must be a SamplingParams, a Generation or None")),
             },
         };
+        let (loops, auto) = depth_of(loops)?;
         let speculative = draft.map(|(draft_loops, draft_ahead)| RsSpeculative {
             draft_loops,
             verify_loops: loops.unwrap_or(default_loops),
@@ -588,7 +663,7 @@ impl Keywords<'_, '_> {
         });
         let loops = if speculative.is_some() { None } else { loops };
         let grammar = grammar.map(|g| g.0.clone());
-        Ok(RsGeneration { params, loops, speculative, cache_window, grammar })
+        Ok(RsGeneration { params, loops, speculative, cache_window, grammar, auto })
     }
 }
 
@@ -694,6 +769,14 @@ impl Engine {
         computed(py, || self.inner.score(&ids, &depths))
     }
 
+    /// `ids` scored as a generation under adaptive depth would read them: the first token runs every loop (like a
+    /// prompt), each later one runs until `auto`'s rule stops it. Per token after the first: its log-probability
+    /// given the tokens before it, and the loops the token before it ran.
+    fn score_auto(&self, py: Python<'_>, ids: Vec<u32>, auto: PyAutoDepth) -> PyResult<(Vec<f32>, Vec<usize>)> {
+        let loops = auto.max_loops.unwrap_or(self.inner.config().default_loops);
+        computed(py, || self.inner.score_auto(&ids, loops, auto.rule))
+    }
+
     /// Per token of `ids` after the first: (its log-probability given the tokens before it at depth `loops`, the
     /// `n` most likely tokens there with theirs) — a prompt's entries in the shape of `StepEvent.logprob`.
     fn prompt_logprobs(&self, py: Python<'_>, ids: Vec<u32>, loops: usize, n: usize) -> PyResult<Vec<PyLogprob>> {
@@ -712,7 +795,7 @@ impl Engine {
         py: Python<'_>,
         prompt: Prompt,
         params: Option<&Bound<'_, PyAny>>,
-        loops: Option<usize>,
+        loops: Option<LoopsArg>,
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
@@ -733,6 +816,7 @@ impl Engine {
             draft_rounds: draft.rounds,
             draft_proposed: draft.proposed,
             draft_accepted: draft.accepted,
+            auto_loops: (g.auto_loops().tokens, g.auto_loops().loops),
             tokens: g.output().to_vec(),
             logprobs: g.wants_logprobs().then(|| g.logprobs().iter().map(|l| (l.logprob, l.top.clone())).collect()),
             text,
@@ -749,7 +833,7 @@ impl Engine {
         py: Python<'_>,
         prompt: Prompt,
         params: Option<&Bound<'_, PyAny>>,
-        loops: Option<usize>,
+        loops: Option<LoopsArg>,
         draft: Option<(usize, usize)>,
         k_branches: usize,
         cache_window: usize,
@@ -867,6 +951,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGeneration>()?;
     m.add_class::<PyGrammar>()?;
     m.add_class::<PySpeculative>()?;
+    m.add_class::<PyAutoDepth>()?;
     m.add_class::<Completion>()?;
     m.add_class::<StepEvent>()?;
     m.add_class::<TokenStream>()?;

@@ -8,8 +8,8 @@ Only the corpus's training split is read (`train.txt`), so no held-out passage b
 copied as it is, so `train.py --data data/chat` reports the same held-out perplexity as before. A speech is a speaker
 heading (`HAMLET.`) and the lines under it; two consecutive speeches by different speakers become one exchange, the
 second one the assistant's answer (verse lines joined into one paragraph, answers of at most `--max-words`), and
-1 to 3 consecutive exchanges make a conversation, which ends after an answer — where the training data puts the
-end-of-text token, so the model learns to end its turn there.
+1 to 3 consecutive exchanges make a conversation. Every answer ends with the end-of-text token, as the model's chat
+template (`training/chat_template.jinja`) closes every assistant turn, so the model learns to end its turn there.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-SEP = "\n<|endoftext|>\n"
+EOT = "<|endoftext|>"
+SEP = f"\n{EOT}\n"
 SPEECH = re.compile(r"^([A-Z][A-Z0-9 ,.'&-]{0,40}[A-Z])\.\n(.+?)(?=\n\n|\Z)", re.M | re.S)
 
 
@@ -41,7 +42,7 @@ def conversations(passage: str, max_words: int, rng: random.Random) -> Iterator[
     said = speeches(passage)
     i = 0
     while i + 1 < len(said):
-        turns: list[str] = []
+        exchanges: list[str] = []
         for _ in range(rng.randint(1, 3)):
             if i + 1 >= len(said):
                 break
@@ -49,10 +50,10 @@ def conversations(passage: str, max_words: int, rng: random.Random) -> Iterator[
             if who_a == who_b or len(b.split()) > max_words:
                 i += 1
                 break
-            turns += [f"User: {a}", f"Assistant: {b}"]
+            exchanges.append(f"User: {a}\nAssistant: {b}")
             i += 2
-        if turns:
-            yield "\n".join(turns)
+        if exchanges:
+            yield (EOT + "\n").join(exchanges)
 
 
 def main() -> int:

@@ -32,7 +32,8 @@ EOT = 50256
 
 
 def tokenize(path: Path) -> np.ndarray:
-    """Token ids of a corpus split (cached next to it as .bin)."""
+    """Token ids of a corpus split (cached next to it as .bin): passages separated by end-of-text, which may also
+    appear inside a passage (a chat's closed assistant turns)."""
     cache = path.with_suffix(".bin")
     if cache.exists() and cache.stat().st_mtime > path.stat().st_mtime:
         return np.fromfile(cache, dtype=np.uint16)
@@ -43,8 +44,9 @@ def tokenize(path: Path) -> np.ndarray:
     ids: list[int] = []
     for passage in path.read_text().split("\n<|endoftext|>\n"):
         if passage.strip():
-            ids.extend(enc.encode_ordinary(passage))
-            ids.append(EOT)
+            for piece in passage.split("<|endoftext|>"):
+                ids.extend(enc.encode_ordinary(piece))
+                ids.append(EOT)
     arr = np.asarray(ids, dtype=np.uint16)
     arr.tofile(cache)
     return arr
@@ -231,6 +233,10 @@ def main() -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": [], "evals": []}
+    if prior or args.init_from:  # where the run starts from, on the same windows as its later evaluations
+        ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
+        log["evals"].append({"step": 0, "tokens": 0, "ppl": ppl})
+        print(f"  held-out ppl at the start {ppl}", flush=True)
     budget = args.minutes * 60
     start = last_eval = time.time()
     step, tokens, ema = 0, 0, None

@@ -18,7 +18,7 @@ use super::chain::ChainRound;
 use super::plan::Speculative;
 use super::seq::SeqState;
 use crate::error::{Error, Result};
-use crate::model::{Model, RowBlock, SeqChunk};
+use crate::model::{AutoDepth, Model, RowBlock, SeqChunk};
 use crate::profile::{self, Stage};
 
 /// What a sequence does in a batched step.
@@ -27,6 +27,8 @@ pub(super) enum Work {
     Plain(Vec<u32>),
     /// One chain-speculative draft + verify round.
     Chain(Speculative),
+    /// Feed the pending token through loops until the rule stops it (adaptive depth), and sample from that row.
+    Auto(u32, AutoDepth),
 }
 
 pub(super) struct Member<'g> {
@@ -41,15 +43,53 @@ pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> 
         .iter_mut()
         .map(|m| match m.work {
             Work::Chain(spec) => ChainRound::start(m.seq, spec).map(Some),
-            Work::Plain(_) => Ok(None),
+            Work::Plain(_) | Work::Auto(..) => Ok(None),
         })
         .collect::<Result<_>>()?;
     // Plain rows ride along with the first draft pass up to the lowest draft depth, then join the verification.
     let pause = rounds.iter().flatten().map(|r| r.spec.draft_loops).min().unwrap_or(loops);
+    let mut exits = auto_passes(model, loops, members)?;
     let plain_x = draft_passes(model, members, &mut rounds, pause)?;
-    let finals = verify_pass(model, loops, members, &rounds, plain_x, pause)?;
+    let verified = verify_pass(model, loops, members, &rounds, plain_x, pause)?;
+    let finals: Vec<Tensor> = verified
+        .into_iter()
+        .zip(exits.iter_mut())
+        .map(|(v, e)| v.or_else(|| e.as_mut().map(|(x, _)| x.clone())))
+        .collect::<Option<_>>()
+        .ok_or_else(|| Error::Internal("a batched row has no hidden state".into()))?;
     let logits = model.logits(&Tensor::cat(&finals, 0)?)?.to_vec2::<f32>()?;
-    profile::time(Stage::Sample, || hand_out(members, rounds, logits))
+    let depths = exits.into_iter().map(|e| e.map(|(_, d)| d)).collect();
+    profile::time(Stage::Sample, || hand_out(members, rounds, logits, depths))
+}
+
+/// The adaptive-depth members' rows, in shared passes until each one's rule stops it (`Model::run_auto`); per
+/// member, its hidden state at the exit and the loops it ran (`None` for the other members).
+fn auto_passes(model: &Model, loops: usize, members: &mut [Member]) -> Result<Vec<Option<(Tensor, usize)>>> {
+    let mut out = vec![None; members.len()];
+    let mut blocks = Vec::new();
+    let (mut rules, mut owners) = (Vec::new(), Vec::new());
+    for (i, m) in members.iter_mut().enumerate() {
+        if let Work::Auto(token, rule) = &m.work {
+            let seq = &mut *m.seq;
+            let tokens = std::slice::from_ref(token);
+            let x = model.embed(tokens)?;
+            blocks.push(RowBlock {
+                seq: SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None },
+                x,
+                loops: 0..loops,
+            });
+            rules.push(*rule);
+            owners.push(i);
+        }
+    }
+    if blocks.is_empty() {
+        return Ok(out);
+    }
+    model.run_auto(&mut blocks, &rules)?;
+    for (i, b) in owners.into_iter().zip(blocks) {
+        out[i] = Some((b.x, b.loops.end));
+    }
+    Ok(out)
 }
 
 /// The draft passes: pass j runs draft row j of every round still drafting (loops `0..draft_loops`) and, in the
@@ -104,8 +144,8 @@ fn draft_passes(
     Ok(plain_x)
 }
 
-/// Verification rows and the plain rows' remaining loops (`depth..loops`), in one set of passes; the rows whose
-/// logits are wanted: each plain sequence's last, every verification row.
+/// Verification rows and the plain rows' remaining loops (`depth..loops`), in one set of passes; per member, the
+/// rows whose logits are wanted: a plain sequence's last, every verification row (`None` for adaptive members).
 fn verify_pass(
     model: &Model,
     loops: usize,
@@ -113,8 +153,10 @@ fn verify_pass(
     rounds: &[Option<ChainRound>],
     mut plain_x: Vec<Option<Tensor>>,
     pause: usize,
-) -> Result<Vec<Tensor>> {
+) -> Result<Vec<Option<Tensor>>> {
+    let mut out = vec![None; members.len()];
     let mut blocks = Vec::new();
+    let mut owners = Vec::new();
     let hidden: Vec<Option<Tensor>> = rounds
         .iter()
         .map(|r| r.as_ref().map(|r| Tensor::cat(&r.hidden, 0)).transpose())
@@ -122,6 +164,7 @@ fn verify_pass(
     for (i, ((m, round), h)) in members.iter_mut().zip(rounds).zip(hidden).enumerate() {
         let seq = &mut *m.seq;
         let (tokens, x, depth) = match (&m.work, round, h) {
+            (Work::Auto(..), _, _) => continue,
             (Work::Plain(feed), _, _) => (feed.as_slice(), plain_x[i].take(), pause),
             (Work::Chain(_), Some(r), h) => (&r.inputs[..r.k], h, r.spec.draft_loops),
             _ => return Err(Error::Internal("a chain member without its round".into())),
@@ -129,37 +172,46 @@ fn verify_pass(
         let x = x.ok_or_else(|| Error::Internal("a batched row lost its hidden state".into()))?;
         let seq_chunk = SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None };
         blocks.push(RowBlock { seq: seq_chunk, x, loops: depth..loops });
+        owners.push(i);
     }
     model.run_blocks(&mut blocks)?;
-    Ok(blocks
-        .into_iter()
-        .zip(rounds)
-        .map(|(b, round)| match round {
-            Some(_) => Ok(b.x),
-            None => b.x.narrow(0, b.seq.tokens.len() - 1, 1),
-        })
-        .collect::<candle_core::Result<_>>()?)
+    for (i, b) in owners.into_iter().zip(blocks) {
+        out[i] = Some(match rounds[i] {
+            Some(_) => b.x,
+            None => b.x.narrow(0, b.seq.tokens.len() - 1, 1)?,
+        });
+    }
+    Ok(out)
 }
 
 /// Hand each member its logit rows, in order: a round's `k` verification rows, a plain member's one row. Choosing
 /// the tokens (sampling, or verifying a round) is each member's own work, so the members are spread over the pool:
 /// with 16 sampled streams it is 16 passes over the vocabulary.
-fn hand_out(members: &mut [Member], rounds: Vec<Option<ChainRound>>, logits: Vec<Vec<f32>>) -> Result<()> {
+fn hand_out(
+    members: &mut [Member],
+    rounds: Vec<Option<ChainRound>>,
+    logits: Vec<Vec<f32>>,
+    depths: Vec<Option<usize>>,
+) -> Result<()> {
     enum Rows {
         Round(ChainRound, Vec<Vec<f32>>),
         Plain { fed: usize, row: Vec<f32> },
     }
     let mut logits = logits.into_iter();
     let mut work = Vec::with_capacity(members.len());
-    for (m, round) in members.iter_mut().zip(rounds) {
+    for ((m, round), depth) in members.iter_mut().zip(rounds).zip(depths) {
+        if let Some(d) = depth {
+            m.seq.auto_loops.record(d);
+        }
         let rows = match (&m.work, round) {
             (Work::Chain(_), Some(round)) => {
                 let rows = logits.by_ref().take(round.k).collect();
                 Rows::Round(round, rows)
             }
-            (Work::Plain(feed), None) => {
+            (Work::Plain(_) | Work::Auto(..), None) => {
+                let fed = if let Work::Plain(feed) = &m.work { feed.len() } else { 1 };
                 let row = logits.next().ok_or_else(|| Error::Internal("a batched row has no logits".into()))?;
-                Rows::Plain { fed: feed.len(), row }
+                Rows::Plain { fed, row }
             }
             _ => return Err(Error::Internal("a chain member without its round".into())),
         };

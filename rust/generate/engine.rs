@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use super::plan::Generation;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::grammar::Grammars;
@@ -10,7 +11,7 @@ use crate::kernels::isa;
 use crate::kv::{hash_file, DiskConfig, KvCache, KvKind, PrefixConfig, PrefixStore};
 use crate::limits::{MAX_LOGPROBS, MAX_LOOPS};
 use crate::loader::{self, ModelFile};
-use crate::model::{Config, LogitRows, Model, SeqChunk};
+use crate::model::{AutoDepth, Config, LogitRows, Model, RowBlock, SeqChunk};
 use crate::sampler::TokenLogprob;
 use crate::tokenizer::Tokenizer;
 
@@ -161,6 +162,36 @@ impl Engine {
             out.push((picked, argmax));
         }
         Ok(out)
+    }
+
+    /// `ids` read as a generation under adaptive depth reads them: the first token through every loop (a one-token
+    /// prompt), each later one until `rule` stops it (`Model::run_auto`). Per token after the first, its
+    /// log-probability and the loops its predecessor ran.
+    pub fn score_auto(&self, ids: &[u32], loops: usize, rule: AutoDepth) -> Result<(Vec<f32>, Vec<usize>)> {
+        ensure_arg!(ids.len() >= 2, "scoring needs at least two tokens");
+        ensure_arg!(ids.len() <= self.max_seq_len, "{} tokens exceed max_seq_len {}", ids.len(), self.max_seq_len);
+        Generation { loops: Some(loops), auto: Some(rule), ..Default::default() }.validate()?;
+        self.check_tokens(ids, "token id")?;
+        let mut cache = self.model.new_cache(ids.len());
+        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: &ids[..1], tree: None }];
+        let mut logits = self.model.forward(&mut seqs, loops, LogitRows::Last)?;
+        let (mut logps, mut depths) = (Vec::with_capacity(ids.len() - 1), Vec::with_capacity(ids.len() - 1));
+        depths.push(loops);
+        for t in 1..ids.len() {
+            let logp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1)?.flatten_all()?;
+            logps.push(logp.get(ids[t] as usize)?.to_scalar::<f32>()?);
+            if t + 1 == ids.len() {
+                break;
+            }
+            let tokens = &ids[t..t + 1];
+            let x = self.model.embed(tokens)?;
+            let seq = SeqChunk { cache: &mut cache, pos: t, tokens, tree: None };
+            let mut blocks = [RowBlock { seq, x, loops: 0..loops }];
+            self.model.run_auto(&mut blocks, &[rule])?;
+            depths.push(blocks[0].loops.end);
+            logits = self.model.logits(&blocks[0].x)?;
+        }
+        Ok((logps, depths))
     }
 
     /// The log-probability of each of `ids[1..]` given the ids before it at depth `loops`, with the `n` most likely

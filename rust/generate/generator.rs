@@ -7,13 +7,13 @@ use std::sync::Arc;
 use super::batch::{self, Member, Work};
 use super::engine::Engine;
 use super::plan::{Generation, Speculative};
-use super::seq::{DraftStats, FinishReason, SeqState, Step};
+use super::seq::{DepthStats, DraftStats, FinishReason, SeqState, Step};
 use super::tree;
 use crate::ensure_arg;
 use crate::error::{Error, Result};
 use crate::kv::PrefixKey;
 use crate::limits::{MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_PREFILL_CHUNK, WINDOW_SLACK};
-use crate::model::{LogitRows, SeqChunk};
+use crate::model::{AutoDepth, LogitRows, SeqChunk};
 use crate::profile::{self, Stage};
 use crate::sampler::{Sampler, TokenLogprob};
 
@@ -31,6 +31,8 @@ pub struct Generator {
     loops: usize,
     /// Self-speculative decoding, when on.
     spec: Option<Speculative>,
+    /// Adaptive depth up to `loops`, when on.
+    auto: Option<AutoDepth>,
     seq: SeqState,
     /// What the prompt cache keys this sequence's KV by.
     key: PrefixKey,
@@ -65,7 +67,7 @@ impl Generator {
              (kv_share=\"last\"): leave draft settings out"
         );
         let constraint = generation.grammar.as_ref().map(|g| engine.grammars.compile(g)).transpose()?;
-        let Generation { params, speculative, cache_window, .. } = generation;
+        let Generation { params, speculative, cache_window, auto, .. } = generation;
         let needed = prompt.len() + params.max_tokens;
         if needed > engine.max_seq_len {
             return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
@@ -79,7 +81,7 @@ impl Generator {
         let cache = engine.model.new_cache(capacity).with_window(cache_window);
         let key = PrefixKey { loops, window: cache_window };
         let seq = SeqState::new(cache, sampler, prompt);
-        Ok(Self { engine, loops, spec: speculative, seq, key, cached: 0, looked_up: false, offered: false })
+        Ok(Self { engine, loops, spec: speculative, auto, seq, key, cached: 0, looked_up: false, offered: false })
     }
 
     /// Before the first step: start from the prompt cache's longest prefix of the prompt, if it has one. Done at the
@@ -101,14 +103,16 @@ impl Generator {
     }
 
     /// Offer the positions fed so far to the prompt cache, once: when the sequence finishes, or when it is dropped
-    /// unfinished (a cancelled request's prompt is as reusable as a finished one's).
+    /// unfinished (a cancelled request's prompt is as reusable as a finished one's). Under adaptive depth only the
+    /// prompt's positions (which ran every loop) are offered: the output's depend on the exit rule too.
     fn keep_prefix(&mut self) {
         if self.offered {
             return;
         }
         self.offered = true;
         let seq = &self.seq;
-        let tokens: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().take(seq.pos).collect();
+        let fed = if self.auto.is_some() { seq.pos.min(seq.prompt.len()) } else { seq.pos };
+        let tokens: Vec<u32> = seq.prompt.iter().chain(&seq.output).copied().take(fed).collect();
         self.engine.prefixes.offer(self.key, tokens, &seq.cache);
     }
 
@@ -161,6 +165,12 @@ impl Generator {
         self.seq.sampler.params().logprobs.is_some()
     }
 
+    /// Loops run by the tokens adaptive depth decided so far (zeros unless `loops: "auto"`; the first output token
+    /// comes from the prompt's last row, which runs every loop, and is not counted).
+    pub fn auto_loops(&self) -> DepthStats {
+        self.seq.auto_loops
+    }
+
     /// Draft counters so far (zeros unless speculative).
     pub fn draft(&self) -> DraftStats {
         self.seq.draft
@@ -188,6 +198,11 @@ impl Generator {
         if let (Some(spec), Some(_)) = (self.spec, self.seq.pending) {
             self.speculative_round(spec)?;
             return self.take_ready("a speculative round emitted nothing");
+        }
+        if let (Some(rule), Some(token)) = (self.auto, self.seq.pending) {
+            let member = Member { seq: &mut self.seq, work: Work::Auto(token, rule) };
+            batch::run_group(&self.engine.model, self.loops, &mut [member])?;
+            return self.take_ready("an adaptive step emitted nothing");
         }
         let seq = &mut self.seq;
         let feed: Vec<u32> = match seq.pending {
@@ -256,7 +271,10 @@ impl Generator {
         match (seq.pending, self.spec) {
             (Some(_), Some(spec)) if spec.k_branches > 1 => Next::Solo,
             (Some(_), Some(spec)) => Next::Batch(key, Work::Chain(spec)),
-            (Some(t), None) => Next::Batch(key, Work::Plain(vec![t])),
+            (Some(t), None) => match self.auto {
+                Some(rule) => Next::Batch(key, Work::Auto(t, rule)),
+                None => Next::Batch(key, Work::Plain(vec![t])),
+            },
             (None, _) if seq.cache.window() > 0 => Next::Solo,
             (None, _) => {
                 let chunk = seq.prompt[seq.pos..(seq.pos + PREFILL_CHUNK).min(seq.prompt.len())].to_vec();

@@ -5,6 +5,7 @@ use crate::ensure_arg;
 use crate::error::Result;
 use crate::grammar::Grammar;
 use crate::limits::{MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TREE_ROWS};
+use crate::model::AutoDepth;
 use crate::sampler::SamplingParams;
 
 /// Self-speculative decoding: draft `draft_ahead` tokens at `draft_loops` loops, verify them at `verify_loops`.
@@ -28,6 +29,8 @@ pub struct Generation {
     pub cache_window: usize,
     /// What the output must match (structured output); the grammar decides where the output ends.
     pub grammar: Option<Grammar>,
+    /// Adaptive depth (`model::AutoDepth`), up to `loops` (the model's default when unset) as `max_loops`.
+    pub auto: Option<AutoDepth>,
 }
 
 impl Generation {
@@ -46,6 +49,22 @@ impl Generation {
             ensure_arg!(
                 !self.params.ignore_eos && self.params.min_tokens == 0,
                 "a grammar decides where the output ends: leave ignore_eos false and min_tokens 0"
+            );
+        }
+        if let Some(auto) = self.auto {
+            ensure_arg!(
+                self.speculative.is_none(),
+                "speculative decoding (draft) is not available with loops \"auto\": use a fixed loops"
+            );
+            ensure_arg!(
+                auto.min_loops >= 1 && self.loops.is_none_or(|l| auto.min_loops <= l),
+                "min_loops must be at least 1 and at most max_loops, got {}",
+                auto.min_loops
+            );
+            ensure_arg!(
+                auto.threshold.is_finite() && auto.threshold >= 0.0,
+                "exit_threshold must be a finite number >= 0, got {}",
+                auto.threshold
             );
         }
         match &self.speculative {
@@ -140,6 +159,17 @@ mod tests {
         let both = Generation { loops: Some(6), ..spec(2, 8, 4, 1) };
         assert!(error(&both).contains("leave loops unset"));
         assert!(Generation { loops: Some(8), ..spec(2, 8, 4, 1) }.validate().is_ok());
+        let auto = |min_loops, threshold| Generation {
+            loops: Some(8),
+            auto: Some(AutoDepth { min_loops, threshold }),
+            ..Default::default()
+        };
+        assert!(auto(2, 0.01).validate().is_ok() && auto(8, 0.0).validate().is_ok());
+        assert!(error(&auto(9, 0.01)).contains("min_loops"));
+        assert!(error(&auto(0, 0.01)).contains("min_loops"));
+        assert!(error(&auto(2, f32::NAN)).contains("exit_threshold"));
+        assert!(error(&auto(2, -1.0)).contains("exit_threshold"));
+        assert!(error(&Generation { auto: Some(AutoDepth::default()), ..spec(2, 8, 4, 1) }).contains("draft"));
         let bad_params = Generation { params: SamplingParams { top_p: 2.0, ..greedy() }, ..Default::default() };
         assert!(error(&bad_params).contains("top_p"));
     }

@@ -39,6 +39,20 @@ pub struct DraftStats {
     pub accepted: usize,
 }
 
+/// Loops run by the tokens an adaptive depth decided (`loops: "auto"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DepthStats {
+    pub tokens: usize,
+    pub loops: usize,
+}
+
+impl DepthStats {
+    pub fn record(&mut self, loops: usize) {
+        self.tokens += 1;
+        self.loops += loops;
+    }
+}
+
 pub(super) struct SeqState {
     pub cache: KvCache,
     pub sampler: Sampler,
@@ -50,6 +64,7 @@ pub(super) struct SeqState {
     /// Steps a speculative round or a batched step produced, not yet handed out.
     pub ready: VecDeque<Step>,
     pub draft: DraftStats,
+    pub auto_loops: DepthStats,
     pub output: Vec<u32>,
     pub finish: Option<FinishReason>,
 }
@@ -64,6 +79,7 @@ impl SeqState {
             pending: None,
             ready: VecDeque::new(),
             draft: DraftStats::default(),
+            auto_loops: DepthStats::default(),
             output: Vec::new(),
             finish: None,
         }

@@ -48,9 +48,14 @@ impl DraftHead {
         self.ids.len()
     }
 
+    /// Logits of the listed tokens only, `(n, len)`, for normed hidden states `h (n, dim)`.
+    pub fn small_logits(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(self.head.forward(h)?.to_dtype(candle_core::DType::F32)?)
+    }
+
     /// Full-vocabulary logit rows for normed hidden states `h (n, dim)`: the listed tokens' logits, −∞ elsewhere.
     pub fn logits(&self, h: &Tensor, vocab_size: usize) -> Result<Vec<Vec<f32>>> {
-        let small = self.head.forward(h)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        let small = self.small_logits(h)?.to_vec2::<f32>()?;
         Ok(small
             .into_iter()
             .map(|row| {

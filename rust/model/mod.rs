@@ -7,6 +7,7 @@
 
 mod config;
 mod draft_head;
+mod exit;
 mod layer;
 mod linear;
 mod norm;
@@ -23,6 +24,7 @@ use candle_core::{DType, Device, Tensor};
 
 pub use config::Config;
 use draft_head::DraftHead;
+pub use exit::AutoDepth;
 use layer::{norm, take, Layer};
 pub use linear::Linear;
 use rope::Rope;

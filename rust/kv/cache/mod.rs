@@ -22,6 +22,7 @@ use crate::kv::attend::{attend, Ctx, RowLayout, SlotView};
 use crate::kv::elem::{hadamard, KvElem, Nibbles};
 use crate::limits::WINDOW_SLACK;
 
+mod fill;
 mod share;
 mod snapshot;
 
@@ -111,6 +112,17 @@ enum SlotBuf {
     F16(Slot<f16>),
     I8(Slot<i8>),
     I4(Slot<Nibbles>),
+}
+
+impl SlotBuf {
+    fn empty(kind: KvKind) -> Self {
+        match kind {
+            KvKind::F32 => SlotBuf::F32(Slot::new()),
+            KvKind::F16 => SlotBuf::F16(Slot::new()),
+            KvKind::Int8 => SlotBuf::I8(Slot::new()),
+            KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new()),
+        }
+    }
 }
 
 macro_rules! each_slot {
@@ -245,20 +257,19 @@ impl KvCache {
         if lo > have {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
         }
-        let ctx =
-            Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H };
+        let (ctx, kind) = (self.ctx(), self.kind);
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
-        let buf = entry.get_or_insert_with(|| match self.kind {
-            KvKind::F32 => SlotBuf::F32(Slot::new()),
-            KvKind::F16 => SlotBuf::F16(Slot::new()),
-            KvKind::Int8 => SlotBuf::I8(Slot::new()),
-            KvKind::Int4 | KvKind::Int4H => SlotBuf::I4(Slot::new()),
-        });
+        let buf = entry.get_or_insert_with(|| SlotBuf::empty(kind));
         each_slot!(buf, s => {
             s.write(ctx, layout, k, v)?;
             attend(s.view(), ctx, layout, q, out);
             Ok(())
         })
+    }
+
+    /// What a write or copy needs to know of this cache.
+    fn ctx(&self) -> Ctx {
+        Ctx { shape: self.shape, cap: self.capacity, window: self.window, rotate: self.kind == KvKind::Int4H }
     }
 
     /// A cache of `capacity` positions (window `window`) holding this one's first `n` positions in every slot that
@@ -322,22 +333,9 @@ impl<T: KvElem> Slot<T> {
     /// Store the rows' K/V at their indices, first dropping positions no row can see any more when the
     /// window's capacity would be exceeded.
     fn write(&mut self, ctx: Ctx, layout: &RowLayout, k: &[f32], v: &[f32]) -> Result<()> {
-        let Ctx { shape: AttnShape { n_kv_heads, head_dim: hd, .. }, cap, window, rotate } = ctx;
+        let Ctx { shape: AttnShape { n_kv_heads, head_dim: hd, .. }, rotate, .. } = ctx;
         let w = hd / T::PACK;
-        let lo_store = layout.store.iter().min().copied().unwrap_or(0);
-        let hi = layout.store.iter().max().copied().unwrap_or(0);
-        if lo_store < self.base {
-            return Err(Error::Internal(format!("position {lo_store} was already dropped by the KV window")));
-        }
-        if hi - self.base >= cap {
-            let oldest = (0..layout.store.len()).map(|i| layout.visible_from(i, window)).min().unwrap_or(0);
-            let keep = oldest.saturating_sub(WINDOW_SLACK).max(self.base).min(lo_store).min(self.len);
-            if hi - keep >= cap {
-                return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
-            }
-            self.compact(n_kv_heads, hd, keep);
-        }
-        self.reserve(n_kv_heads, hd, hi + 1 - self.base, cap);
+        self.make_room(ctx, layout)?;
         let cap = self.stride;
         let mut tmp = vec![0f32; hd];
         for (i, &at) in layout.store.iter().enumerate() {
@@ -354,7 +352,28 @@ impl<T: KvElem> Slot<T> {
                 }
             }
         }
-        self.len = hi + 1;
+        self.len = layout.store.iter().max().copied().unwrap_or(0) + 1;
+        Ok(())
+    }
+
+    /// Make `layout`'s store indices writable: first drop positions no row can see any more when the window's
+    /// capacity would be exceeded, then grow the buffers.
+    fn make_room(&mut self, ctx: Ctx, layout: &RowLayout) -> Result<()> {
+        let Ctx { shape: AttnShape { n_kv_heads, head_dim: hd, .. }, cap, window, .. } = ctx;
+        let lo_store = layout.store.iter().min().copied().unwrap_or(0);
+        let hi = layout.store.iter().max().copied().unwrap_or(0);
+        if lo_store < self.base {
+            return Err(Error::Internal(format!("position {lo_store} was already dropped by the KV window")));
+        }
+        if hi - self.base >= cap {
+            let oldest = (0..layout.store.len()).map(|i| layout.visible_from(i, window)).min().unwrap_or(0);
+            let keep = oldest.saturating_sub(WINDOW_SLACK).max(self.base).min(lo_store).min(self.len);
+            if hi - keep >= cap {
+                return Err(Error::Internal(format!("KV window capacity {cap} too small for position {hi}")));
+            }
+            self.compact(n_kv_heads, hd, keep);
+        }
+        self.reserve(n_kv_heads, hd, hi + 1 - self.base, cap);
         Ok(())
     }
 
