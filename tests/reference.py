@@ -108,6 +108,37 @@ def layer(
     return x + m @ w[f"{p}.ffn_down.weight"].T
 
 
+def layer_over_past(
+    cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, start: int, past: tuple | None, kv_dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer `p` over rows `x` at positions `start..`, attending to `past` (K, V of the positions before) and
+    causally to themselves; returns the output and the rows' own (K, V)."""
+    T, H, KV, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    pos = np.arange(start, start + T)
+    h = rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps)
+    q = rope((h @ w[f"{p}.attn_q.weight"].T).reshape(T, H, hd), pos, cfg.rope_theta)
+    k = kv_round(rope((h @ w[f"{p}.attn_k.weight"].T).reshape(T, KV, hd), pos, cfg.rope_theta), kv_dtype)
+    v = kv_round((h @ w[f"{p}.attn_v.weight"].T).reshape(T, KV, hd), kv_dtype)
+    pk, pv = past if past is not None else (np.zeros((0, KV, hd)), np.zeros((0, KV, hd)))
+    keys, values = np.concatenate([pk, k]), np.concatenate([pv, v])
+    visible = np.arange(len(keys))[None, :] <= (len(pk) + np.arange(T))[:, None]
+    out = np.empty((T, H, hd))
+    for head in range(H):
+        g = head // (H // KV)
+        s = np.where(visible, q[:, head] @ keys[:, g].T / np.sqrt(hd), -np.inf)
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ values[:, g]
+    x = x + out.reshape(T, H * hd) @ w[f"{p}.attn_output.weight"].T
+    h = rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps)
+    m = silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)
+    return x + m @ w[f"{p}.ffn_down.weight"].T, k, v
+
+
+def head_logits(cfg: ModelConfig, w: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The final norm and head over rows `x`."""
+    return rms_norm(x, w["output_norm.weight"], cfg.rms_eps) @ w.get("output.weight", w["token_embd.weight"]).T
+
+
 def forward(
     cfg: ModelConfig,
     weights: dict[str, np.ndarray],

@@ -13,7 +13,7 @@ import pytest
 
 import tinyloop
 from conftest import TINY
-from reference import kv_round, rms_norm, rope, silu
+from reference import head_logits, layer_over_past
 from tinyloop import SamplingParams
 
 
@@ -29,26 +29,7 @@ class SharedReference:
         self.n = 0
 
     def _layer(self, p: str, x: np.ndarray, past: tuple | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cfg, w = self.cfg, self.w
-        T, H, KV, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        pos = np.arange(self.n, self.n + T)
-        h = rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps)
-        q = rope((h @ w[f"{p}.attn_q.weight"].T).reshape(T, H, hd), pos, cfg.rope_theta)
-        k = kv_round(rope((h @ w[f"{p}.attn_k.weight"].T).reshape(T, KV, hd), pos, cfg.rope_theta), self.kv)
-        v = kv_round((h @ w[f"{p}.attn_v.weight"].T).reshape(T, KV, hd), self.kv)
-        pk, pv = past if past is not None else (np.zeros((0, KV, hd)), np.zeros((0, KV, hd)))
-        keys, values = np.concatenate([pk, k]), np.concatenate([pv, v])
-        visible = np.arange(len(keys))[None, :] <= (len(pk) + np.arange(T))[:, None]
-        out = np.empty((T, H, hd))
-        for head in range(H):
-            g = head // (H // KV)
-            s = np.where(visible, q[:, head] @ keys[:, g].T / np.sqrt(hd), -np.inf)
-            s = np.exp(s - s.max(axis=1, keepdims=True))
-            out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ values[:, g]
-        x = x + out.reshape(T, H * hd) @ w[f"{p}.attn_output.weight"].T
-        h = rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps)
-        m = silu(h @ w[f"{p}.ffn_gate.weight"].T) * (h @ w[f"{p}.ffn_up.weight"].T)
-        return x + m @ w[f"{p}.ffn_down.weight"].T, k, v
+        return layer_over_past(self.cfg, self.w, p, x, self.n, past, self.kv)
 
     def _keep(self, name: str, k: np.ndarray, v: np.ndarray) -> None:
         pk, pv = self.kept.get(name, (np.zeros((0, *k.shape[1:])), np.zeros((0, *v.shape[1:]))))
@@ -69,8 +50,7 @@ class SharedReference:
         for name, (k, v) in last.items():
             self._keep(name, k, v)
         self.n += len(tokens)
-        x = rms_norm(x[-1:], self.w["output_norm.weight"], cfg.rms_eps)
-        return (x @ self.w.get("output.weight", self.w["token_embd.weight"]).T)[0]
+        return head_logits(cfg, self.w, x[-1:])[0]
 
 
 def _prompt(n: int, seed: int) -> list[int]:

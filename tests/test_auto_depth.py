@@ -1,0 +1,193 @@
+"""Adaptive depth (`loops="auto"`): each generated token runs loops one at a time and stops after loop
+d >= max(min_loops, 2) once KL(p_d || p_{d-1}) of its exit distributions is below the threshold; the loops it
+skipped keep, at its position, the K/V of the last loop it ran. Checked against a float64 NumPy reference of that
+rule written here from the description, and for the engine's own consistency: batching, scoring, the threshold-0
+limit (every token runs every loop) and what is refused."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import tinyloop
+from reference import head_logits, layer_over_past
+from tinyloop import AutoDepth, SamplingParams
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+class AutoReference:
+    """The adaptive rule in float64 over a model without a draft vocabulary (the exit distribution is the full
+    head's). The prompt runs every loop; each later token runs loops until the rule stops it, and the loops it
+    skipped get its last loop's K/V. `kls` records every divergence the rule compared, for the margin check."""
+
+    def __init__(self, cfg, weights, loops: int, min_loops: int, threshold: float):
+        self.cfg, self.loops, self.min_loops, self.threshold = cfg, loops, min_loops, threshold
+        self.w = {k: v.astype(np.float64) for k, v in weights.items()}
+        self.kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.n = 0
+        self.kls: list[float] = []
+
+    def _run(self, name: str, x: np.ndarray, new: dict) -> np.ndarray:
+        x, k, v = layer_over_past(self.cfg, self.w, name.rsplit("@", 1)[0], x, self.n, self.kept.get(name), None)
+        new[name] = (k, v)
+        return x
+
+    def _commit(self, new: dict, tokens: int) -> None:
+        for name, (k, v) in new.items():
+            pk, pv = self.kept.get(name, (np.zeros((0, *k.shape[1:])), np.zeros((0, *v.shape[1:]))))
+            self.kept[name] = (np.concatenate([pk, k]), np.concatenate([pv, v]))
+        self.n += tokens
+
+    def prompt(self, tokens: list[int]) -> np.ndarray:
+        cfg, new = self.cfg, {}
+        x = self.w["token_embd.weight"][np.asarray(tokens)]
+        for i in range(cfg.prelude_count):
+            x = self._run(f"pre.{i}", x, new)
+        for lp in range(self.loops):
+            for j in range(cfg.block_count):
+                x = self._run(f"blk.{j}@{lp}", x, new)
+        self._commit(new, len(tokens))
+        return head_logits(cfg, self.w, x[-1:])[0]
+
+    def token(self, t: int) -> tuple[np.ndarray, int]:
+        """Logits after feeding `t` under the rule, and the loops it ran."""
+        cfg, new = self.cfg, {}
+        x = self.w["token_embd.weight"][np.asarray([t])]
+        for i in range(cfg.prelude_count):
+            x = self._run(f"pre.{i}", x, new)
+        first, prev, exit_ = max(self.min_loops, 2), None, self.loops
+        for lp in range(self.loops):
+            for j in range(cfg.block_count):
+                x = self._run(f"blk.{j}@{lp}", x, new)
+            d = lp + 1
+            if d == self.loops or d + 1 < first:
+                continue
+            logp = _log_softmax(head_logits(cfg, self.w, x)[0])
+            if d >= first and prev is not None:
+                kl = float(np.sum(np.exp(logp) * (logp - prev)))
+                self.kls.append(kl)
+                if kl < self.threshold:
+                    exit_ = d
+                    break
+            prev = logp
+        for lp in range(exit_, self.loops):
+            for j in range(cfg.block_count):
+                new[f"blk.{j}@{lp}"] = new[f"blk.{j}@{exit_ - 1}"]
+        self._commit(new, 1)
+        return head_logits(cfg, self.w, x)[0], exit_
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50257) for _ in range(n)]
+
+
+def _greedy_reference(tiny, prompt, loops, min_loops, threshold, n):
+    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold)
+    logits, tokens, depths = ref.prompt(prompt), [], []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits, d = ref.token(tokens[-1])
+        depths.append(d)
+    return tokens, depths[:-1], ref.kls  # the last token is emitted, never fed
+
+
+def _clear_threshold(run):
+    """A threshold the rule's decisions do not sit near (every divergence compared at least 1% away from it, where
+    float32 and float64 decide alike) under which tokens stop at different depths, some before the last loop.
+    `run(threshold)` runs the reference: (its result, the depths, the divergences compared)."""
+    kls = np.sort(run(0.0)[2])
+    gaps = sorted(zip(kls[1:] / kls[:-1], np.sqrt(kls[1:] * kls[:-1]), strict=True), reverse=True)
+    for _, th in gaps:
+        result, depths, seen = run(float(th))
+        if min(abs(k - th) for k in seen) > 0.01 * th and len(set(depths)) > 1 and min(depths) < max(depths):
+            return float(th), result, depths
+    raise AssertionError("no threshold away from every compared divergence")
+
+
+@pytest.mark.parametrize("loops,min_loops", [(5, 2), (6, 3)])
+def test_generation_follows_the_reference_rule(tiny, loops, min_loops):
+    engine = tinyloop.Engine(tiny.path)
+    assert engine.info.draft_vocab_size == 0  # the reference reads the full head, as the engine does then
+    prompt, n = _prompt(9, seed=loops), 12
+    threshold, want, depths = _clear_threshold(lambda th: _greedy_reference(tiny, prompt, loops, min_loops, th, n))
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    rule = AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold)
+    out = engine.generate(prompt, greedy, loops=rule)
+    assert list(out.tokens) == want
+    assert out.auto_loops == (len(depths), sum(depths))
+    # The rule matters: every loop for every token chooses other tokens or runs more loops.
+    fixed = engine.generate(prompt, greedy, loops=loops)
+    assert list(fixed.tokens) != want or sum(depths) < loops * len(depths)
+
+
+def _scored_reference(tiny, ids, loops, min_loops, threshold):
+    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold)
+    logits, logps, depths = ref.prompt(ids[:1]), [], [loops]
+    for i, t in enumerate(ids[1:]):
+        logps.append(_log_softmax(logits)[t])
+        if i + 2 < len(ids):
+            logits, d = ref.token(t)
+            depths.append(d)
+    return logps, depths, ref.kls
+
+
+def test_scoring_under_the_rule_matches_the_reference(tiny):
+    engine = tinyloop.Engine(tiny.path)
+    loops, min_loops, ids = 5, 2, _prompt(14, seed=7)
+    threshold, want_lp, want_d = _clear_threshold(lambda th: _scored_reference(tiny, ids, loops, min_loops, th))
+    logps, depths = engine.score_auto(ids, AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold))
+    assert depths == want_d and min(depths) < loops
+    assert np.abs(np.asarray(logps) - np.asarray(want_lp)).max() < 1e-3
+
+
+def test_threshold_zero_runs_every_loop_and_matches_fixed_depth(tiny):
+    engine = tinyloop.Engine(tiny.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt = _prompt(11, seed=3)
+    fixed = engine.generate(prompt, greedy, loops=4)
+    auto = engine.generate(prompt, greedy, loops=AutoDepth(max_loops=4, threshold=0.0))
+    assert list(auto.tokens) == list(fixed.tokens)
+    assert auto.auto_loops == (9, 36)
+    assert fixed.auto_loops == (0, 0)
+
+
+def test_batched_streams_at_different_depths_match_solo(tiny_long):
+    engine = tinyloop.Engine(tiny_long.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    loops_of = ["auto", 3, AutoDepth(min_loops=3, max_loops=6, threshold=1e-4), "auto"]
+    prompts = [_prompt(n, seed=n) for n in (5, 9, 30, 300)]  # 300 > PREFILL_CHUNK: prefilled in chunks
+    solo = [engine.generate(p, greedy, loops=lp) for p, lp in zip(prompts, loops_of, strict=True)]
+    streams = [engine.stream(p, greedy, loops=lp) for p, lp in zip(prompts, loops_of, strict=True)]
+    got: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(streams)))
+    while live:
+        events = engine.step_many([streams[i] for i in live])
+        for i, ev in zip(list(live), events, strict=True):
+            assert not isinstance(ev, BaseException), ev
+            if ev.token_id >= 0:
+                got[i].append(ev.token_id)
+            if ev.finish_reason is not None:
+                live.remove(i)
+    assert got == [list(s.tokens) for s in solo]
+    assert [s.auto_loops for s in streams] == [s.auto_loops for s in solo]
+
+
+def test_what_is_refused_is_named(tiny):
+    engine = tinyloop.Engine(tiny.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(tinyloop.InvalidRequestError, match="draft"):
+        engine.generate([1, 2, 3], greedy, loops="auto", draft=(1, 2))
+    with pytest.raises(tinyloop.InvalidRequestError, match="min_loops"):
+        engine.generate([1, 2, 3], greedy, loops=AutoDepth(min_loops=5, max_loops=4))
+    with pytest.raises(tinyloop.InvalidRequestError, match="exit_threshold"):
+        engine.generate([1, 2, 3], greedy, loops=AutoDepth(threshold=-1.0))
+    with pytest.raises(ValueError, match="loops must be"):
+        engine.generate([1, 2, 3], greedy, loops="deep")
+    assert engine.generate([1, 2, 3], greedy, loops="auto").finish_reason in ("stop", "length")
