@@ -13,8 +13,9 @@ from typing import Any, ClassVar, Literal
 from fastapi import APIRouter
 from pydantic import Field
 
-from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, MAX_TOP_K, Generation, Grammar
+from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_TOP_K, Generation, Grammar
 from ..errors import APIError
+from .depth import DepthFields, depth_of
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
@@ -139,7 +140,7 @@ class Conversation(Strict):
         return out
 
 
-class MessagesRequest(Conversation):
+class MessagesRequest(DepthFields, Conversation):
     max_tokens: int = ranged(..., 1, MAX_TOKENS_LIMIT)  # required, as Anthropic requires it
     DEFAULT_ALIASES: ClassVar[dict[str, str]] = {"stop": "stop_sequences"}
     stop_sequences: list[str] | None = None
@@ -147,7 +148,6 @@ class MessagesRequest(Conversation):
     temperature: float = ranged(1.0, 0.0, 1.0)
     top_p: float = ranged(1.0, 0.0, 1.0)
     top_k: int = ranged(0, 0, MAX_TOP_K)
-    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knobs: depth, and self-speculative drafting
     draft_loops: int | None = ranged(None, 1, MAX_DRAFT_LOOPS)
     draft_ahead: int = ranged(4, 1, MAX_DRAFT_AHEAD)
     # Accepted and ignored (docs/api.md): nothing is stored or billed per user, and there is one service tier.
@@ -173,9 +173,9 @@ class MessagesRequest(Conversation):
                 "temperature": self.temperature,
                 "top_p": self.top_p,
                 "top_k": self.top_k,
-                "loops": self.loops,
                 "response_format": response_format,
             }
+            | self.depth_fields()
         )
 
     def grammar(self) -> Grammar | None:
@@ -191,7 +191,7 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     engine, _ = state.require_engine()
     generations = [
         with_drafts(
-            Generation(g.params, loops=g.loops, grammar=req.grammar()),
+            Generation(g.params, loops=depth_of(g), grammar=req.grammar()),
             req.draft_loops,
             req.draft_ahead,
             engine.info.default_loops,

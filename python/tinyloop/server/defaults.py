@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -35,7 +35,7 @@ class GenerateDefaults(Strict):
     presence_penalty: float | None = ranged(None, -2.0, 2.0)
     frequency_penalty: float | None = ranged(None, -2.0, 2.0)
     repetition_penalty: float | None = ranged(None, 0.5, 2.0)
-    loops: int | None = ranged(None, 1, MAX_LOOPS)
+    loops: int | Literal["auto"] | None = ranged(None, 1, MAX_LOOPS)
 
 
 class ConfigError(Exception):

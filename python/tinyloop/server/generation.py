@@ -86,6 +86,10 @@ class ChoiceRun:
         """(rounds, proposed, accepted), valid once the generation has ended."""
         return self.job.draft_stats
 
+    def auto_loops(self) -> tuple[int, int]:
+        """Adaptive depth's (tokens decided, loops they ran), valid once the generation has ended."""
+        return self.job.auto_loops
+
     async def run(self) -> ChoiceRun:
         async for _ in self.deltas():
             pass

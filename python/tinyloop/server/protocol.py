@@ -27,6 +27,7 @@ from .._core import (
     Speculative,
 )
 from ..errors import APIError
+from .depth import AUTO, DepthFields
 from .strict import Strict, ranged
 from .strict import check_range as _range
 from .structured import ResponseFormat
@@ -59,7 +60,7 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
-class OpenAISampling(Strict):
+class OpenAISampling(DepthFields):
     """Fields shared by /v1 chat and completions."""
 
     model: str
@@ -75,7 +76,6 @@ class OpenAISampling(Strict):
     seed: int | None = ranged(None, 0, SEED_MAX)
     presence_penalty: float = ranged(0.0, -2.0, 2.0)
     frequency_penalty: float = ranged(0.0, -2.0, 2.0)
-    loops: int | None = ranged(None, 1, MAX_LOOPS)
     min_tokens: int = ranged(0, 0, MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
@@ -140,7 +140,7 @@ class OpenAISampling(Strict):
 
     def generations(self) -> list[Generation]:
         """One Generation per sample; with a seed, sample i uses seed + i so the n samples differ."""
-        return [Generation(self._params(i), loops=self.loops, grammar=self.grammar()) for i in range(self.n)]
+        return [Generation(self._params(i), loops=self.loop_arg(), grammar=self.grammar()) for i in range(self.n)]
 
     def _params(self, i: int, repetition_penalty: float = 1.0) -> SamplingParams:
         return SamplingParams(
@@ -255,6 +255,7 @@ class LMStudioExtras(OpenAISampling):
         if self.mode not in MODES:
             raise APIError(400, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", param="mode")
         if self.mode != "generate":
+            refuse_auto_with_drafts(self.loops)
             check_speculative(
                 self.mode, self.draft_ahead, self.K_branches, self.draft_loops, self.verify_loops, self.temperature
             )
@@ -270,7 +271,7 @@ class LMStudioExtras(OpenAISampling):
         return [
             Generation(
                 self._params(i, self.repetition_penalty),
-                loops=None if spec else self.loops,
+                loops=None if spec else self.loop_arg(),
                 speculative=spec,
                 cache_window=self.cache_window,
                 grammar=self.grammar(),
@@ -287,13 +288,13 @@ class LMCompletionRequest(LMStudioExtras, CompletionRequest):
     pass
 
 
-class GenerateRequest(Strict):
+class GenerateRequest(DepthFields):
     """POST /generate: the native shape with its own defaults."""
 
     prompt: str | list[int]
     DEFAULT_ALIASES: ClassVar[dict[str, str]] = {"seed": "sample_seed"}
     max_tokens: int = ranged(DEFAULT_MAX_TOKENS, 1, MAX_TOKENS_LIMIT)
-    loops: int = ranged(8, 1, MAX_LOOPS)
+    loops: int | Literal["auto"] = ranged(8, 1, MAX_LOOPS)
     temperature: float = ranged(0.0, 0.0, 2.0)
     top_k: int = ranged(50, 0, MAX_TOP_K)
     top_p: float = ranged(0.9, 0.0, 1.0)
@@ -330,7 +331,8 @@ class GenerateRequest(Strict):
             stop_token_ids=stop_token_ids,
         )
         spec = self.speculative()
-        return Generation(params, loops=None if spec else self.loops, speculative=spec, cache_window=self.cache_window)
+        depth = None if spec else self.loop_arg()
+        return Generation(params, loops=depth, speculative=spec, cache_window=self.cache_window)
 
 
 class SpeculativeRequest(GenerateRequest):
@@ -343,6 +345,7 @@ class SpeculativeRequest(GenerateRequest):
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
         super().check(max_tokens_limit)
+        refuse_auto_with_drafts(self.loops)
         check_speculative(
             self.mode, self.draft_ahead, self.branches(), self.draft_loops, self.verify_loops, self.temperature
         )
@@ -372,10 +375,18 @@ def with_drafts(g: Generation, draft_loops: int | None, draft_ahead: int, defaul
     on the Responses and Messages families (None: `g` unchanged)."""
     if draft_loops is None:
         return g
+    if g.auto is not None:
+        raise APIError(400, 'draft_loops cannot be combined with loops "auto": use a fixed loops', param="draft_loops")
     verify = g.loops or default_loops
     check_speculative("speculative", draft_ahead, 1, draft_loops, verify, g.params.temperature)
     spec = Speculative(draft_loops, verify, draft_ahead)
     return Generation(g.params, speculative=spec, cache_window=g.cache_window, grammar=g.grammar)
+
+
+def refuse_auto_with_drafts(loops: int | str | None) -> None:
+    """Speculative modes verify at a fixed depth: adaptive depth is refused there by name."""
+    if loops == AUTO:
+        raise APIError(400, 'loops "auto" is not available with speculative decoding: use verify_loops', param="loops")
 
 
 def check_speculative(

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from .._core import ContextLengthError, Generation, InvalidRequestError
 from ..errors import APIError
+from . import depth
 from .generation import ChoiceRun
 from .logprobs import Echo
 from .protocol import usage
@@ -149,6 +150,8 @@ class RunningRequest:
         }
         if self.plan.mode != "generate":
             out.update(self._draft_stats())
+        if any(g.auto is not None for g in self.plan.generations):
+            out.update(depth.stats([c.auto_loops() for c in self.choices]))
         return out
 
     def _draft_stats(self) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from typing import Any, ClassVar, Literal
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
-from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOOPS, Generation, Grammar
+from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, Generation, Grammar
 from ..errors import APIError
+from .depth import DepthFields, depth_of
 from .generation import ChoiceRun
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
@@ -88,7 +89,7 @@ class ReasoningConfig(Strict):
     effort: str | None = None
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(DepthFields):
     model: str
     input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
     instructions: str | None = None
@@ -103,7 +104,6 @@ class ResponsesRequest(Strict):
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # only false: nothing is stored
-    loops: int | None = ranged(None, 1, MAX_LOOPS)  # tinyloop's knobs: depth, and self-speculative drafting
     draft_loops: int | None = ranged(None, 1, MAX_DRAFT_LOOPS)
     draft_ahead: int = ranged(4, 1, MAX_DRAFT_AHEAD)
     # Accepted and ignored, as on chat (docs/api.md).
@@ -173,11 +173,12 @@ class ResponsesRequest(Strict):
 
     def generation(self) -> Generation:
         sampling = OpenAISampling.model_validate(
-            {"model": self.model, "temperature": self.temperature, "top_p": self.top_p, "loops": self.loops}
+            {"model": self.model, "temperature": self.temperature, "top_p": self.top_p}
+            | self.depth_fields()
             | ({"max_tokens": self.max_output_tokens} if self.max_output_tokens else {})
         )
         g = sampling.generations()[0]
-        return Generation(g.params, loops=g.loops, grammar=self.grammar())
+        return Generation(g.params, loops=depth_of(g), grammar=self.grammar())
 
 
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:

@@ -72,6 +72,7 @@ class Job:
     mode: str = "generate"  # label for the draft-token metrics
     loops: int = 0  # the loops it runs (verifies, when speculative) at: read once, the engine thread owns the stream
     draft_stats: tuple[int, int, int] = (0, 0, 0)  # (rounds, proposed, accepted), set when the job leaves
+    auto_loops: tuple[int, int] = (0, 0)  # adaptive depth's (tokens decided, loops they ran), set when it leaves
     cached: int = 0  # prompt tokens the prompt cache supplied: set before the first token is handed out
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -182,7 +183,7 @@ class EngineRunner:
     def _retire(self, job: Job) -> None:
         """Take a job out of the running set (engine thread); its draft counters go to the metrics."""
         self._running.remove(job)
-        job.draft_stats = job.stream.draft_stats
+        job.draft_stats, job.auto_loops = job.stream.draft_stats, job.stream.auto_loops
         job.stream.release()  # its KV goes to the prompt cache before the next step looks there
         self._prompt_cache_report()
         _, proposed, accepted = job.draft_stats

@@ -36,7 +36,8 @@ class Strict(BaseModel):
             if name not in fields or name in self.model_fields_set:
                 continue
             extra = fields[name].json_schema_extra
-            if isinstance(extra, dict) and "minimum" in extra and not extra["minimum"] <= value <= extra["maximum"]:  # type: ignore[operator]
+            ranged_field = isinstance(extra, dict) and "minimum" in extra and not isinstance(value, str)
+            if ranged_field and not extra["minimum"] <= value <= extra["maximum"]:  # type: ignore[index,operator]
                 continue
             setattr(self, name, value)
 
@@ -48,7 +49,7 @@ class Strict(BaseModel):
                 check_range(name, getattr(self, name), extra["minimum"], extra["maximum"])  # type: ignore[arg-type]
 
 
-def check_range(name: str, value: float | int | None, lo: float, hi: float) -> None:
-    """400 naming `name` unless `value` is None or within [lo, hi]."""
-    if value is not None and not lo <= value <= hi:
+def check_range(name: str, value: float | int | str | None, lo: float, hi: float) -> None:
+    """400 naming `name` unless `value` is None, a word (`loops: "auto"`) or within [lo, hi]."""
+    if value is not None and not isinstance(value, str) and not lo <= value <= hi:
         raise APIError(400, f"{name} must be between {lo} and {hi}, got {value}", param=name)

@@ -1,0 +1,58 @@
+"""tinyloop's depth knob, on every request family: `loops` is a number of loops, or `"auto"` — adaptive depth
+(`tinyloop.AutoDepth`: each generated token stops looping once its next-token distribution has settled) — whose rule
+`min_loops`, `max_loops` and `exit_threshold` tune. Those three are refused by name without `"auto"`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from .._core import MAX_LOOPS, AutoDepth, Generation
+from ..errors import APIError
+from .strict import Strict, ranged
+
+AUTO = "auto"
+RULE_FIELDS = ("min_loops", "max_loops", "exit_threshold")
+MAX_EXIT_THRESHOLD = 10.0
+
+
+class DepthFields(Strict):
+    loops: int | Literal["auto"] | None = ranged(None, 1, MAX_LOOPS)
+    min_loops: int | None = ranged(None, 1, MAX_LOOPS)
+    max_loops: int | None = ranged(None, 1, MAX_LOOPS)
+    exit_threshold: float | None = ranged(None, 0.0, MAX_EXIT_THRESHOLD)
+
+    def check_ranges(self) -> None:
+        super().check_ranges()
+        if self.loops != AUTO:
+            for name in RULE_FIELDS:
+                if getattr(self, name) is not None:
+                    raise APIError(400, f'{name} applies only with loops "auto"', param=name)
+        elif self.min_loops is not None and self.max_loops is not None and self.min_loops > self.max_loops:
+            raise APIError(
+                400, f"min_loops ({self.min_loops}) must be at most max_loops ({self.max_loops})", param="min_loops"
+            )
+
+    def loop_arg(self) -> int | AutoDepth | None:
+        """What `Generation(loops=...)` takes for this request."""
+        if self.loops != AUTO:
+            return self.loops
+        return AutoDepth(
+            min_loops=self.min_loops or AutoDepth().min_loops,
+            max_loops=self.max_loops,
+            threshold=AutoDepth().threshold if self.exit_threshold is None else self.exit_threshold,
+        )
+
+    def depth_fields(self) -> dict[str, Any]:
+        """The depth fields this request sets, to hand to another schema."""
+        return {name: getattr(self, name) for name in ("loops", *RULE_FIELDS) if getattr(self, name) is not None}
+
+
+def depth_of(g: Generation) -> int | AutoDepth | None:
+    """`g`'s depth as `Generation(loops=...)` takes it (to build a changed copy)."""
+    return g.auto if g.auto is not None else g.loops
+
+
+def stats(auto_loops: list[tuple[int, int]]) -> dict[str, Any]:
+    """The `stats` fields of adaptive depth, over the choices' (tokens decided, loops they ran)."""
+    tokens, loops = sum(t for t, _ in auto_loops), sum(n for _, n in auto_loops)
+    return {"mean_loops": round(loops / tokens, 3) if tokens else None, "adaptive_tokens": tokens}

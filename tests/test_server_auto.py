@@ -1,0 +1,84 @@
+"""`loops: "auto"` served: every family takes it (with `min_loops`, `max_loops`, `exit_threshold`), produces what
+`Engine.generate` produces under the same rule, reports the mean loops in `stats`, and refuses what does not go
+with it by name."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+import tinyloop
+from serverutil import running_server
+from tinyloop import AutoDepth, SamplingParams
+
+RULE = {"loops": "auto", "min_loops": 2, "max_loops": 5, "exit_threshold": 0.02}
+ENGINE_RULE = AutoDepth(min_loops=2, max_loops=5, threshold=0.02)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with running_server(tiny.path) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return tinyloop.Engine(tiny.path)
+
+
+def _want(engine, prompt: str, n: int):
+    return engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), loops=ENGINE_RULE)
+
+
+def test_completions_and_native_match_the_engine(server, engine):
+    want = _want(engine, "The capital of France", 12)
+    assert want.auto_loops[0] == 11 and want.auto_loops[1] < 11 * 5  # some tokens stopped before max_loops
+    body = {"model": "m", "prompt": "The capital of France", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    v1 = httpx.post(f"{server}/v1/completions", json=body | RULE, timeout=60).json()
+    assert v1["choices"][0]["text"] == want.text
+    v0 = httpx.post(f"{server}/api/v0/completions", json=body | RULE, timeout=60).json()
+    assert v0["choices"][0]["text"] == want.text
+    tokens, loops = want.auto_loops
+    assert v0["stats"]["mean_loops"] == round(loops / tokens, 3) and v0["stats"]["adaptive_tokens"] == tokens
+    assert v0["stats"]["loops_used"] == 5
+    native = {"prompt": "The capital of France", "max_tokens": 12, "ignore_eos": True} | RULE
+    out = httpx.post(f"{server}/generate", json=native, timeout=60).json()
+    assert out["text"] == want.text
+
+
+def test_chat_families_agree(server):
+    chat = openai.OpenAI(base_url=f"{server}/v1", api_key="x").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0, extra_body=RULE
+    )
+    messages = anthropic.Anthropic(base_url=server, api_key="x").messages.create(
+        model="m", messages=[{"role": "user", "content": "Hello"}], max_tokens=10, extra_body=RULE | {"temperature": 0}
+    )
+    responses = openai.OpenAI(base_url=f"{server}/v1", api_key="x").responses.create(
+        model="m", input="Hello", max_output_tokens=10, temperature=0, extra_body=RULE
+    )
+    text = chat.choices[0].message.content
+    assert text and messages.content[0].text == text and responses.output_text == text
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "min_loops": 2}, "min_loops"),
+        ("/v1/completions", {"prompt": "x", "loops": 4, "exit_threshold": 0.1}, "exit_threshold"),
+        ("/v1/completions", {"prompt": "x", "loops": "auto", "min_loops": 6, "max_loops": 3}, "min_loops"),
+        ("/v1/completions", {"prompt": "x", "loops": "auto", "exit_threshold": -1}, "exit_threshold"),
+        ("/api/v0/completions", {"prompt": "x", "loops": "auto", "mode": "speculative"}, "loops"),
+        ("/v1/responses", {"input": "x", "loops": "auto", "draft_loops": 2}, "draft_loops"),
+    ],
+)
+def test_what_does_not_go_with_auto_is_refused_by_name(server, path, body, param):
+    r = httpx.post(f"{server}{path}", json={"model": "m"} | body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_word_other_than_auto_is_a_schema_error(server):
+    r = httpx.post(f"{server}/v1/completions", json={"model": "m", "prompt": "x", "loops": "deep"}, timeout=30)
+    assert r.status_code == 422 and "loops" in r.text
