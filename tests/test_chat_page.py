@@ -102,6 +102,11 @@ def test_a_message_gets_a_streamed_answer_with_stats(browser, tiny, tmp_path):
         browser.find_element(By.ID, "speculative").click()
         _, stats3 = _say(browser, "And the wind?")
         assert "drafts accepted" in stats3 and "loops 4" in stats3, stats3
+        # Adaptive depth (which turns speculative off) shows the mean loops the answer's tokens ran.
+        browser.find_element(By.ID, "auto").click()
+        assert not browser.find_element(By.ID, "speculative").is_selected()
+        _, stats4 = _say(browser, "And the rain?")
+        assert "loops auto, mean" in stats4 and "of 4" in stats4 and "drafts" not in stats4, stats4
         shot = tmp_path / "chat.png"
         browser.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

@@ -38,6 +38,12 @@ def main() -> int:
     ap.add_argument("--default-loops", type=int, default=8)
     ap.add_argument("--max-trained-loops", type=int, default=10)
     ap.add_argument("--check-text", type=Path, default=Path("data/corpus/heldout.txt"))
+    ap.add_argument(
+        "--chat-template",
+        type=Path,
+        default=Path(__file__).resolve().parent / "chat_template.jinja",
+        help="the Jinja chat template the file carries (tokenizer.chat_template); 'none' for none",
+    )
     args = ap.parse_args()
 
     from tinyloop.modelfile.format import ModelConfig, write_model
@@ -59,7 +65,15 @@ def main() -> int:
         name=args.name,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_model(args.out, cfg, model.export_weights(), weight_type=args.weight_type, embedding_type=args.embedding_type)
+    template = None if str(args.chat_template) == "none" else args.chat_template.read_text(encoding="utf-8")
+    write_model(
+        args.out,
+        cfg,
+        model.export_weights(),
+        weight_type=args.weight_type,
+        embedding_type=args.embedding_type,
+        chat_template=template,
+    )
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
 
     import tinyloop

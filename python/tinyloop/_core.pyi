@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator
 from os import PathLike
-from typing import Self, final
+from typing import Literal, Self, final
 
 __all__ = [
     "MAX_BRANCHES",
@@ -15,6 +15,7 @@ __all__ = [
     "MAX_TREE_ROWS",
     "PREFILL_CHUNK",
     "WINDOW_SLACK",
+    "AutoDepth",
     "Completion",
     "ContextLengthError",
     "Engine",
@@ -183,6 +184,20 @@ class Speculative:
     def k_branches(self) -> int: ...
 
 @final
+class AutoDepth:
+    """Adaptive depth: each generated token stops looping after loop d >= max(min_loops, 2) once the KL divergence
+    of its exit distribution at d from the one at d - 1 is below `threshold`, and at `max_loops` at the latest (the
+    model's default loops when None). `loops="auto"` is `AutoDepth()`. Frozen; checked when a generation starts."""
+
+    def __new__(cls, min_loops: int = ..., max_loops: int | None = None, threshold: float = ...) -> Self: ...
+    @property
+    def min_loops(self) -> int: ...
+    @property
+    def max_loops(self) -> int | None: ...
+    @property
+    def threshold(self) -> float: ...
+
+@final
 class Grammar:
     """What an output must match (structured output, through llguidance). Compiled when a generation starts: a
     grammar that cannot be compiled (e.g. a JSON schema keyword outside the supported subset) raises
@@ -213,7 +228,7 @@ class Generation:
         cls,
         params: SamplingParams | None = None,
         *,
-        loops: int | None = None,
+        loops: int | Literal["auto"] | AutoDepth | None = None,
         speculative: Speculative | None = None,
         cache_window: int = 0,
         grammar: Grammar | None = None,
@@ -221,7 +236,10 @@ class Generation:
     @property
     def params(self) -> SamplingParams: ...
     @property
-    def loops(self) -> int | None: ...
+    def loops(self) -> int | None:
+        """The fixed depth, or the most loops under adaptive depth (None: the model's default)."""
+    @property
+    def auto(self) -> AutoDepth | None: ...
     @property
     def speculative(self) -> Speculative | None: ...
     @property
@@ -255,6 +273,9 @@ class Completion:
     def draft_proposed(self) -> int: ...
     @property
     def draft_accepted(self) -> int: ...
+    @property
+    def auto_loops(self) -> tuple[int, int]:
+        """Under adaptive depth: (tokens it decided, loops they ran); (0, 0) otherwise."""
 
 @final
 class StepEvent:
@@ -283,6 +304,9 @@ class TokenStream(Iterator[StepEvent]):
     def kv_bytes(self) -> int: ...
     @property
     def draft_stats(self) -> tuple[int, int, int]: ...
+    @property
+    def auto_loops(self) -> tuple[int, int]:
+        """Under adaptive depth: (tokens it decided so far, loops they ran); (0, 0) otherwise."""
     @property
     def loops(self) -> int:
         """The loop depth every token is chosen at: `loops` (the model's default_loops when None), or verify_loops
@@ -333,6 +357,9 @@ class Engine:
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, id: int) -> bytes: ...
     def score(self, ids: list[int], depths: list[int]) -> list[tuple[list[float], list[int]]]: ...
+    def score_auto(self, ids: list[int], auto: AutoDepth) -> tuple[list[float], list[int]]:
+        """`ids` as a generation under adaptive depth reads them (the first token through every loop, each later one
+        until the rule stops it): per token after the first, its log-probability and the loops its predecessor ran."""
     def prompt_logprobs(self, ids: list[int], loops: int, n: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Per token of `ids` after the first: its log-probability given the tokens before it at depth `loops`, and
         the `n` most likely tokens there (0..20) with theirs."""
@@ -340,7 +367,7 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams | Generation | None = None,
-        loops: int | None = None,
+        loops: int | Literal["auto"] | AutoDepth | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,
@@ -353,7 +380,7 @@ class Engine:
         self,
         prompt: str | list[int],
         params: SamplingParams | Generation | None = None,
-        loops: int | None = None,
+        loops: int | Literal["auto"] | AutoDepth | None = None,
         draft: tuple[int, int] | None = None,
         k_branches: int = 1,
         cache_window: int = 0,

@@ -55,6 +55,7 @@ function request() {
     max_tokens: Number($("max-tokens").value),
   };
   if ($("speculative").checked) Object.assign(body, { mode: "speculative", draft_loops: 2, verify_loops: loops });
+  else if ($("auto").checked) Object.assign(body, { loops: "auto", max_loops: loops });
   else body.loops = loops;
   return body;
 }
@@ -63,7 +64,7 @@ function describe(stats) {
   const parts = [
     `${stats.completion_tokens} tokens`,
     `${stats.tokens_per_second.toFixed(1)} tok/s`,
-    `loops ${stats.loops_used}`,
+    stats.mean_loops === undefined ? `loops ${stats.loops_used}` : `loops auto, mean ${stats.mean_loops ?? "-"} of ${stats.loops_used}`,
   ];
   if (stats.time_to_first_token !== null) parts.push(`first token ${(stats.time_to_first_token * 1000).toFixed(0)} ms`);
   if (stats.cached_tokens) parts.push(`${stats.cached_tokens} prompt tokens reused`);
@@ -151,6 +152,9 @@ async function send(text) {
 
 function bind() {
   $("loops").addEventListener("input", () => { $("loops-value").textContent = $("loops").value; });
+  // Speculative drafting verifies at a fixed depth: the two modes exclude each other.
+  $("auto").addEventListener("change", () => { if ($("auto").checked) $("speculative").checked = false; });
+  $("speculative").addEventListener("change", () => { if ($("speculative").checked) $("auto").checked = false; });
   $("temperature").addEventListener("input", () => {
     $("temperature-value").textContent = Number($("temperature").value).toFixed(2);
   });

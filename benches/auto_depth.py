@@ -1,0 +1,164 @@
+"""Adaptive depth on the default model: for each exit threshold, the mean loops per token, the decode speed and the
+held-out perplexity scored under the same exit rule (`Engine.score_auto`) — next to fixed depths measured the same
+way, in one run.
+
+    python benches/auto_depth.py --json docs/auto_depth.json --plot docs/auto_depth.png   # docs/model.md's curve
+
+Perplexity: windows of `--window` held-out tokens, each read as a generation reads its output — the first token
+through every loop, each later one through the loops its rule runs (fixed depths: every token through that many,
+`Engine.score`, which a one-token-at-a-time decode reproduces). Speed: greedy decoding of `--new` tokens after each
+of four prompts, best of `--rounds` interleaved rounds (this machine's speed drifts by 10-30% within a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tinyloop
+from quant_models import DEFAULT, HELDOUT
+from tinyloop import AutoDepth, SamplingParams
+from tinyloop.modelfile.evaluate import held_out_ids
+
+FIXED = [2, 3, 4, 5, 6, 8]
+THRESHOLDS = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003]
+PROMPTS = ["The king said unto his servants", "User: What is the sea?\nAssistant:", "In the beginning", "Q: Why"]
+
+
+def windows(ids: list[int], window: int) -> list[list[int]]:
+    return [ids[s : s + window + 1] for s in range(0, len(ids) - window, window)]
+
+
+def fixed_ppl(engine, wins: list[list[int]]) -> dict[int, float]:
+    nll = {d: 0.0 for d in FIXED}
+    for w in tqdm(wins, desc="fixed depths", leave=False):
+        for d, (logp, _) in zip(FIXED, engine.score(w, FIXED), strict=True):
+            nll[d] -= sum(logp)
+    count = sum(len(w) - 1 for w in wins)
+    return {d: math.exp(v / count) for d, v in nll.items()}
+
+
+def auto_ppl(engine, wins: list[list[int]], rule: AutoDepth) -> tuple[float, float]:
+    """(perplexity, mean loops of the tokens the rule decided)."""
+    nll, count, loops, decided = 0.0, 0, 0, 0
+    for w in tqdm(wins, desc=f"threshold {rule.threshold}", leave=False):
+        logp, depths = engine.score_auto(w, rule)
+        nll -= sum(logp)
+        count += len(logp)
+        loops, decided = loops + sum(depths[1:]), decided + len(depths) - 1
+    return math.exp(nll / count), loops / decided
+
+
+def speed(engine, depths: list, new: int, rounds: int) -> list[float]:
+    """Tokens per second for each depth (an int or an AutoDepth), best of `rounds` interleaved rounds."""
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    prompts = [engine.encode(p) for p in PROMPTS]
+    best = [0.0] * len(depths)
+    for _ in tqdm(range(rounds), desc="speed rounds", leave=False):
+        for i, depth in enumerate(depths):
+            start = time.perf_counter()
+            for p in prompts:
+                engine.generate(p, params, loops=depth)
+            best[i] = max(best[i], len(prompts) * new / (time.perf_counter() - start))
+    return best
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fx = [r["tokens_per_second"] for r in result["fixed"]]
+    ax.plot(fx, [r["perplexity"] for r in result["fixed"]], "o-", label="fixed loops")
+    for r in result["fixed"]:
+        ax.annotate(
+            str(r["loops"]), (r["tokens_per_second"], r["perplexity"]), textcoords="offset points", xytext=(4, 4)
+        )
+    ax.plot(
+        [r["tokens_per_second"] for r in result["auto"]],
+        [r["perplexity"] for r in result["auto"]],
+        "s-",
+        label='loops "auto"',
+    )
+    for r in result["auto"]:
+        ax.annotate(
+            f"{r['threshold']:g}",
+            (r["tokens_per_second"], r["perplexity"]),
+            textcoords="offset points",
+            xytext=(4, -10),
+            fontsize=7,
+        )
+    ax.set_xlabel("greedy decode, tokens/s")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(f"Adaptive depth vs fixed depth ({result['machine']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT)
+    ap.add_argument("--heldout", type=Path, default=HELDOUT)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+    engine = tinyloop.Engine(str(args.model))
+    wins = windows(held_out_ids(engine, args.heldout.read_text(encoding="utf-8"), args.tokens), args.window)
+    rules = [AutoDepth(max_loops=8, threshold=t) for t in THRESHOLDS]
+    fixed = fixed_ppl(engine, wins)
+    autos = [auto_ppl(engine, wins, r) for r in rules]
+    tps = speed(engine, [*FIXED, *rules], args.new, args.rounds)
+    result = {
+        "machine": f"{cpu_name()}, {len(__import__('os').sched_getaffinity(0))} threads",
+        "model": args.model.name,
+        "tokens": sum(len(w) - 1 for w in wins),
+        "window": args.window,
+        "fixed": [
+            {"loops": d, "perplexity": fixed[d], "tokens_per_second": t} for d, t in zip(FIXED, tps, strict=False)
+        ],
+        "auto": [
+            {"threshold": r.threshold, "mean_loops": m, "perplexity": p, "tokens_per_second": t}
+            for r, (p, m), t in zip(rules, autos, tps[len(FIXED) :], strict=True)
+        ],
+    }
+    base = next(r for r in result["fixed"] if r["loops"] == 8)
+    print(f"{result['machine']}; {result['tokens']} held-out tokens; fixed 8: ppl {base['perplexity']:.2f}")
+    print(f"{'depth':>16} {'mean loops':>10} {'ppl':>8} {'vs 8':>7} {'tok/s':>7} {'x 8':>6}")
+    rows = [(f"fixed {r['loops']}", r["loops"], r) for r in result["fixed"]]
+    rows += [(f"auto {r['threshold']:g}", r["mean_loops"], r) for r in result["auto"]]
+    for name, loops, r in rows:
+        ppl, tps = r["perplexity"], r["tokens_per_second"]
+        rel = ppl / base["perplexity"] - 1, tps / base["tokens_per_second"]
+        print(f"{name:>16} {loops:10.2f} {ppl:8.2f} {rel[0]:+7.2%} {tps:7.1f} {rel[1]:6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
