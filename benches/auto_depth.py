@@ -140,8 +140,8 @@ def main() -> int:
             {"loops": d, "perplexity": fixed[d], "tokens_per_second": t} for d, t in zip(FIXED, tps, strict=False)
         ],
         "auto": [
-            {"threshold": r.threshold, "mean_loops": m, "perplexity": p, "tokens_per_second": t}
-            for r, (p, m), t in zip(rules, autos, tps[len(FIXED) :], strict=True)
+            {"threshold": th, "mean_loops": m, "perplexity": p, "tokens_per_second": t}
+            for th, (p, m), t in zip(THRESHOLDS, autos, tps[len(FIXED) :], strict=True)
         ],
     }
     base = next(r for r in result["fixed"] if r["loops"] == 8)

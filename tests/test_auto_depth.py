@@ -191,3 +191,15 @@ def test_what_is_refused_is_named(tiny):
     with pytest.raises(ValueError, match="loops must be"):
         engine.generate([1, 2, 3], greedy, loops="deep")
     assert engine.generate([1, 2, 3], greedy, loops="auto").finish_reason in ("stop", "length")
+
+
+def test_with_loops_sharing_kv_threshold_zero_is_the_shared_fixed_depth(tiny):
+    """With one shared slot per layer there is no skipped loop's slot to fill: the rule only decides the depth."""
+    engine = tinyloop.Engine(tiny.path, kv_share="last")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = _prompt(10, seed=4)
+    fixed = engine.generate(prompt, greedy, loops=4)
+    auto = engine.generate(prompt, greedy, loops=AutoDepth(max_loops=4, threshold=0.0))
+    assert list(auto.tokens) == list(fixed.tokens) and auto.auto_loops == (7, 28)
+    early = engine.generate(prompt, greedy, loops=AutoDepth(min_loops=2, max_loops=4, threshold=1e9))
+    assert early.auto_loops == (7, 14)  # every token stops at its first check
