@@ -6,6 +6,7 @@
 //! depth-`d` pass produced (the prefix property the speculative modes rely on).
 
 mod config;
+mod depth;
 mod draft_head;
 mod exit;
 mod layer;
@@ -23,8 +24,8 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 pub use config::Config;
+pub use depth::AutoDepth;
 use draft_head::DraftHead;
-pub use exit::AutoDepth;
 use layer::{norm, take, Layer};
 pub use linear::Linear;
 use rope::Rope;
