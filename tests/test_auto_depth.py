@@ -26,15 +26,15 @@ class AutoReference:
     head's). The prompt runs every loop; each later token runs loops until the rule stops it, and the loops it
     skipped get its last loop's K/V. `kls` records every divergence the rule compared, for the margin check."""
 
-    def __init__(self, cfg, weights, loops: int, min_loops: int, threshold: float):
-        self.cfg, self.loops, self.min_loops, self.threshold = cfg, loops, min_loops, threshold
+    def __init__(self, cfg, weights, loops: int, min_loops: int, threshold: float, kv=np.float32):
+        self.cfg, self.loops, self.min_loops, self.threshold, self.kv = cfg, loops, min_loops, threshold, kv
         self.w = {k: v.astype(np.float64) for k, v in weights.items()}
         self.kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.n = 0
         self.kls: list[float] = []
 
     def _run(self, name: str, x: np.ndarray, new: dict) -> np.ndarray:
-        x, k, v = layer_over_past(self.cfg, self.w, name.rsplit("@", 1)[0], x, self.n, self.kept.get(name), None)
+        x, k, v = layer_over_past(self.cfg, self.w, name.rsplit("@", 1)[0], x, self.n, self.kept.get(name), self.kv)
         new[name] = (k, v)
         return x
 
@@ -88,8 +88,8 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(50257) for _ in range(n)]
 
 
-def _greedy_reference(tiny, prompt, loops, min_loops, threshold, n):
-    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold)
+def _greedy_reference(tiny, prompt, loops, min_loops, threshold, n, kv=np.float32):
+    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold, kv)
     logits, tokens, depths = ref.prompt(prompt), [], []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
@@ -111,12 +111,13 @@ def _clear_threshold(run):
     raise AssertionError("no threshold away from every compared divergence")
 
 
-@pytest.mark.parametrize("loops,min_loops", [(5, 2), (6, 3)])
-def test_generation_follows_the_reference_rule(tiny, loops, min_loops):
-    engine = tinyloop.Engine(tiny.path)
+@pytest.mark.parametrize("loops,min_loops,mode", [(5, 2, "fp16"), (6, 3, "fp16"), (5, 2, "int8")])
+def test_generation_follows_the_reference_rule(tiny, loops, min_loops, mode):
+    """int8: the skipped loops get the stored codes and scales, which the reference's rounded rows stand for."""
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode=mode)
     assert engine.info.draft_vocab_size == 0  # the reference reads the full head, as the engine does then
-    prompt, n = _prompt(9, seed=loops), 12
-    threshold, want, depths = _clear_threshold(lambda th: _greedy_reference(tiny, prompt, loops, min_loops, th, n))
+    prompt, n, kv = _prompt(9, seed=loops), 12, np.float32 if mode == "fp16" else mode
+    threshold, want, depths = _clear_threshold(lambda th: _greedy_reference(tiny, prompt, loops, min_loops, th, n, kv))
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     rule = AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold)
     out = engine.generate(prompt, greedy, loops=rule)
