@@ -55,3 +55,24 @@ def test_conversations_alternate_and_end_with_an_answer_in_the_templates_form():
     assert list(conversations(PLAY, max_words=4, rng=random.Random(0))) == [
         "User: Well, my lord, and asks for you.\nAssistant: Then I will go."
     ]
+
+
+def test_conversations_are_what_the_default_models_template_writes():
+    """Every exchange but the last ends at end-of-text inside the conversation (the last one's comes from the
+    passage separator), exactly as training/chat_template.jinja closes every assistant turn."""
+    from tinyloop.server.template import file_template
+
+    source = (Path(__file__).resolve().parents[1] / "training" / "chat_template.jinja").read_text(encoding="utf-8")
+    template = file_template(source, "", "<|endoftext|>")
+    longer = PLAY + "\nHORATIO.\nWhere, my lord?\n\nMARCELLUS.\nTo the platform.\n"
+    convos = list(conversations(longer, max_words=60, rng=random.Random(3)))
+    assert any("<|endoftext|>\nUser: " in c for c in convos)  # some conversation has several exchanges
+    for c in convos:
+        messages = []
+        for exchange in c.split("<|endoftext|>\n"):
+            user, assistant = exchange.split("\nAssistant: ")
+            messages += [
+                ChatMessage(role="user", content=user.removeprefix("User: ")),
+                ChatMessage(role="assistant", content=assistant),
+            ]
+        assert template.render(messages, None) == c + "<|endoftext|>\nAssistant:"
