@@ -1,6 +1,6 @@
 """How the model answers a chat: the 40 prompts in tests/data/chat_prompts.txt (questions, requests, greetings), each
 as a one-message conversation in the model's chat template, answered greedily and at temperature 0.7 (seeded) at
-loops 8 with at most 96 tokens — what a chat client of the server gets.
+loops 8 with at most 96 tokens — what a chat client of the server gets (`--repetition-penalty` applies one to both).
 
     python benches/chat_eval.py [MODEL] --json docs/chat_eval.json      # prints the table in docs/model.md
 
@@ -54,12 +54,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", type=Path, default=DEFAULT)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every setting (1.0: off)")
     args = ap.parse_args()
     engine = tinyloop.Engine(args.model)
     chat = ChatFormat(engine)
     prompts = [line for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     results = {}
     for name, sampling in SETTINGS.items():
+        sampling = sampling | {"repetition_penalty": args.repetition_penalty}
         answers = [answer(engine, chat, p, sampling, seed=i) for i, p in enumerate(tqdm(prompts, desc=name))]
         n = len(answers)
         results[name] = {
@@ -73,7 +75,8 @@ def main() -> int:
     for name, r in results.items():
         print(f"| {name} | {r['non_empty']:.0%} | {r['natural_stop']:.0%} | {r['no_looping']:.0%} |")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model.name, "prompts": len(prompts), **results}, indent=1))
+        meta = {"model": args.model.name, "prompts": len(prompts), "repetition_penalty": args.repetition_penalty}
+        args.json.write_text(json.dumps(meta | results, indent=1) + "\n")
     return 0
 
 
