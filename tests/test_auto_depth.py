@@ -204,3 +204,14 @@ def test_with_loops_sharing_kv_threshold_zero_is_the_shared_fixed_depth(tiny):
     assert list(auto.tokens) == list(fixed.tokens) and auto.auto_loops == (7, 28)
     early = engine.generate(prompt, greedy, loops=AutoDepth(min_loops=2, max_loops=4, threshold=1e9))
     assert early.auto_loops == (7, 14)  # every token stops at its first check
+
+
+def test_the_command_line_takes_auto(tiny, capsys):
+    from tinyloop.__main__ import main
+
+    assert main(["generate", str(tiny.path), "Hello", "--loops", "auto", "--max-tokens", "6"]) == 0
+    want = tinyloop.Engine(tiny.path).generate("Hello", SamplingParams(temperature=0.0, max_tokens=6), loops="auto")
+    assert capsys.readouterr().out == "Hello" + want.text + "\n"
+    with pytest.raises(SystemExit):
+        main(["generate", str(tiny.path), "Hello", "--loops", "deep"])
+    assert 'a number of loops or "auto"' in capsys.readouterr().err

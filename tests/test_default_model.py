@@ -97,3 +97,22 @@ def test_batched_steps_equal_solo_generation_on_the_default_model(tmp_path):
                 if ev.finish_reason is not None:
                     streams[i] = None
         assert got == alone, path
+
+
+def test_the_chat_template_travels_in_the_file():
+    """The file carries training/chat_template.jinja (the form of its chat training data); the server renders
+    conversations with it and ends a turn at end-of-text, with no stop strings of its own."""
+    from tinyloop.server.protocol import ChatMessage
+    from tinyloop.server.template import ChatFormat
+
+    engine = tinyloop.Engine(DEFAULT)
+    assert engine.chat_template == (ROOT / "training" / "chat_template.jinja").read_text(encoding="utf-8")
+    chat = ChatFormat(engine)
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content="Hello."),
+        ChatMessage(role="user", content="Who are you?"),
+    ]
+    want = "System: Be brief.\nUser: Hi\nAssistant: Hello.<|endoftext|>\nUser: Who are you?\nAssistant:"
+    assert chat.render(messages) == want and chat.stops == []

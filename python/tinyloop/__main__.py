@@ -1,7 +1,7 @@
 """`tinyloop` (or `python -m tinyloop`): command-line access to the engine and the model tools.
 
 tinyloop info MODEL
-tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L] [--temperature T] [--seed S]
+tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L|auto] [--temperature T] [--seed S]
 tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
 tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
 tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
@@ -23,6 +23,16 @@ def _info(args: argparse.Namespace) -> int:
     print(Engine(args.model).info)
     print(f"kernels: {isa()}")
     return 0
+
+
+def _depth(text: str) -> int | str:
+    """`--loops`: a number of loops, or "auto" (adaptive depth)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'a number of loops or "auto", not {text!r}') from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -99,7 +109,9 @@ def _engine_commands(sub) -> None:
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--loops", type=int, default=None, help="loop depth (default: the model's)")
+    p.add_argument(
+        "--loops", type=_depth, default=None, help='loop depth, or "auto" for adaptive depth (default: the model\'s)'
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
