@@ -180,11 +180,57 @@ def test_batched_streams_at_different_depths_match_solo(tiny_long):
     assert [s.auto_loops for s in streams] == [s.auto_loops for s in solo]
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_speculative_decoding_under_the_rule_is_plain_adaptive_decoding(tiny, mode):
+    """Drafts run fewer loops than any token may stop at, so their K/V is what plain adaptive decoding computes;
+    the verification rows stop one by one under the rule (a stopped row holds its exit loop's K/V for the rows after
+    it). Greedy: the same tokens and the same loops as without drafts, at thresholds where rows stop at different
+    loops within a round."""
+    engine = tinyloop.Engine(tiny.path, kv_cache_mode=mode)
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompt = _prompt(9, seed=11)
+    _, _, kls = _greedy_reference(tiny, prompt, 6, 3, 0.0, 14)
+    for q in (0.2, 0.5, 0.8):
+        rule = AutoDepth(min_loops=3, max_loops=6, threshold=float(np.quantile(kls, q)))
+        plain = engine.generate(prompt, greedy, loops=rule)
+        assert 0 < plain.auto_loops[1] < 6 * plain.auto_loops[0]  # some tokens stopped early
+        for draft in ((1, 3), (2, 4), (2, 1)):
+            spec = engine.generate(prompt, greedy, loops=rule, draft=draft)
+            assert list(spec.tokens) == list(plain.tokens), (q, draft)
+            assert spec.auto_loops == plain.auto_loops and spec.draft_proposed > 0
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True)
+    out = engine.generate(prompt, sampled, loops=AutoDepth(min_loops=3, max_loops=6), draft=(2, 3))
+    assert len(out.tokens) == 14 and out.auto_loops[0] == 13 and out.draft_proposed >= out.draft_accepted
+
+
+def test_batched_speculative_and_plain_adaptive_streams_match_solo(tiny_long):
+    engine = tinyloop.Engine(tiny_long.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    rule = AutoDepth(min_loops=3, max_loops=6, threshold=1e-4)
+    settings = [dict(loops=rule, draft=(2, 3)), dict(loops=rule), dict(loops=6, draft=(2, 3)), dict(loops=4)]
+    prompts = [_prompt(n, seed=n) for n in (7, 12, 5, 20)]
+    solo = [engine.generate(p, greedy, **kw) for p, kw in zip(prompts, settings, strict=True)]
+    streams = [engine.stream(p, greedy, **kw) for p, kw in zip(prompts, settings, strict=True)]
+    got: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(streams)))
+    while live:
+        for i, ev in zip(list(live), engine.step_many([streams[i] for i in live]), strict=True):
+            assert not isinstance(ev, BaseException), ev
+            if ev.token_id >= 0:
+                got[i].append(ev.token_id)
+            if ev.finish_reason is not None:
+                live.remove(i)
+    assert got == [list(s.tokens) for s in solo]
+    assert [s.auto_loops for s in streams] == [s.auto_loops for s in solo]
+
+
 def test_what_is_refused_is_named(tiny):
     engine = tinyloop.Engine(tiny.path)
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    with pytest.raises(tinyloop.InvalidRequestError, match="draft"):
-        engine.generate([1, 2, 3], greedy, loops="auto", draft=(1, 2))
+    with pytest.raises(tinyloop.InvalidRequestError, match=r"draft_loops \(2\) must be below max\(min_loops, 2\)"):
+        engine.generate([1, 2, 3], greedy, loops="auto", draft=(2, 2))
+    with pytest.raises(tinyloop.InvalidRequestError, match="K_branches"):
+        engine.generate([1, 2, 3], greedy, loops=AutoDepth(min_loops=3), draft=(1, 2), k_branches=2)
     with pytest.raises(tinyloop.InvalidRequestError, match="min_loops"):
         engine.generate([1, 2, 3], greedy, loops=AutoDepth(min_loops=5, max_loops=4))
     with pytest.raises(tinyloop.InvalidRequestError, match="exit_threshold"):
@@ -215,3 +261,20 @@ def test_the_command_line_takes_auto(tiny, capsys):
     with pytest.raises(SystemExit):
         main(["generate", str(tiny.path), "Hello", "--loops", "deep"])
     assert 'a number of loops or "auto"' in capsys.readouterr().err
+
+
+def test_speculative_under_the_rule_on_the_default_model():
+    """The real model's rounds stop their rows at different loops far more often than the tiny random one's: the
+    rows after a stopped one must read its exit loop's K/V in the verification pass itself."""
+    from tinyloop.server.config import DEFAULT_MODEL
+
+    engine = tinyloop.Engine(DEFAULT_MODEL)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = ["The king said unto his servants", "In the beginning", "User: Hi\nAssistant:", "To be, or not"]
+    for threshold in (0.003, 0.03):
+        rule = AutoDepth(min_loops=3, max_loops=8, threshold=threshold)
+        for prompt in prompts:
+            plain = engine.generate(prompt, greedy, loops=rule)
+            for draft in ((2, 4), (1, 3)):
+                spec = engine.generate(prompt, greedy, loops=rule, draft=draft)
+                assert (list(spec.tokens), spec.auto_loops) == (list(plain.tokens), plain.auto_loops), (prompt, draft)

@@ -69,14 +69,40 @@ def test_chat_families_agree(server):
         ("/v1/completions", {"prompt": "x", "loops": 4, "exit_threshold": 0.1}, "exit_threshold"),
         ("/v1/completions", {"prompt": "x", "loops": "auto", "min_loops": 6, "max_loops": 3}, "min_loops"),
         ("/v1/completions", {"prompt": "x", "loops": "auto", "exit_threshold": -1}, "exit_threshold"),
-        ("/api/v0/completions", {"prompt": "x", "loops": "auto", "mode": "speculative"}, "loops"),
+        ("/api/v0/completions", {"prompt": "x", "loops": "auto", "mode": "speculative"}, "draft_loops"),
+        (
+            "/api/v0/completions",
+            {"prompt": "x", "loops": "auto", "mode": "tree_speculative", "temperature": 0},
+            "loops",
+        ),
+        ("/api/v0/completions", {"prompt": "x", "loops": "auto", "mode": "speculative", "max_loops": 4}, "max_loops"),
+        ("/generate/tree_speculative", {"prompt": "x", "loops": "auto"}, "loops"),
         ("/v1/responses", {"input": "x", "loops": "auto", "draft_loops": 2}, "draft_loops"),
     ],
 )
 def test_what_does_not_go_with_auto_is_refused_by_name(server, path, body, param):
-    r = httpx.post(f"{server}{path}", json={"model": "m"} | body, timeout=30)
+    native = path.startswith("/generate")  # the native shape has no `model`
+    r = httpx.post(f"{server}{path}", json=body if native else {"model": "m"} | body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_speculative_under_auto_gives_the_plain_auto_output(server):
+    """Drafts below the first loop a token may stop at, verified row by row under the rule: the same greedy tokens
+    (and loops) as plain adaptive decoding, with the draft counters."""
+    rule = {"loops": "auto", "min_loops": 3, "exit_threshold": 0.02}
+    body = {"model": "m", "prompt": "The capital of France", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{server}/api/v0/completions", json=body | rule | {"max_loops": 5}, timeout=60).json()
+    spec = body | rule | {"mode": "speculative", "draft_loops": 2, "verify_loops": 5, "draft_ahead": 3}
+    drafted = httpx.post(f"{server}/api/v0/completions", json=spec, timeout=60).json()
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert drafted["stats"]["mean_loops"] == plain["stats"]["mean_loops"]
+    assert drafted["stats"]["mode"] == "speculative" and drafted["stats"]["total_draft_tokens_count"] > 0
+    messages = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 0}
+    with_drafts = messages | rule | {"max_loops": 5, "draft_loops": 2}
+    a = httpx.post(f"{server}/v1/messages", json=messages | rule | {"max_loops": 5}, timeout=60).json()
+    b = httpx.post(f"{server}/v1/messages", json=with_drafts, timeout=60).json()
+    assert a["content"] == b["content"] and a["content"][0]["text"]
 
 
 def test_a_word_other_than_auto_is_a_schema_error(server):

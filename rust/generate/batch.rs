@@ -25,8 +25,8 @@ use crate::profile::{self, Stage};
 pub(super) enum Work {
     /// Feed these tokens (the pending one, or a prompt chunk) through every loop and sample from the last row.
     Plain(Vec<u32>),
-    /// One chain-speculative draft + verify round.
-    Chain(Speculative),
+    /// One chain-speculative draft + verify round; with a rule, each verified row stops looping by it.
+    Chain(Speculative, Option<AutoDepth>),
     /// Feed the pending token through loops until the rule stops it (adaptive depth), and sample from that row.
     Auto(u32, AutoDepth),
 }
@@ -42,52 +42,65 @@ pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> 
     let mut rounds: Vec<Option<ChainRound>> = members
         .iter_mut()
         .map(|m| match m.work {
-            Work::Chain(spec) => ChainRound::start(m.seq, spec).map(Some),
+            Work::Chain(spec, _) => ChainRound::start(m.seq, spec).map(Some),
             Work::Plain(_) | Work::Auto(..) => Ok(None),
         })
         .collect::<Result<_>>()?;
     // Plain rows ride along with the first draft pass up to the lowest draft depth, then join the verification.
     let pause = rounds.iter().flatten().map(|r| r.spec.draft_loops).min().unwrap_or(loops);
-    let mut exits = auto_passes(model, loops, members)?;
     let plain_x = draft_passes(model, members, &mut rounds, pause)?;
     let verified = verify_pass(model, loops, members, &rounds, plain_x, pause)?;
-    let finals: Vec<Tensor> = verified
-        .into_iter()
-        .zip(exits.iter_mut())
-        .map(|(v, e)| v.or_else(|| e.as_mut().map(|(x, _)| x.clone())))
-        .collect::<Option<_>>()
-        .ok_or_else(|| Error::Internal("a batched row has no hidden state".into()))?;
+    let adaptive = auto_passes(model, loops, members, &rounds)?;
+    let mut exits = Vec::with_capacity(members.len());
+    let mut finals = Vec::with_capacity(members.len());
+    for (v, a) in verified.into_iter().zip(adaptive) {
+        let (x, e) = match (v, a) {
+            (Some(x), None) => (x, None),
+            (None, Some((x, e))) => (x, Some(e)),
+            _ => return Err(Error::Internal("a batched row has no hidden state".into())),
+        };
+        finals.push(x);
+        exits.push(e);
+    }
     let logits = model.logits(&Tensor::cat(&finals, 0)?)?.to_vec2::<f32>()?;
-    let depths = exits.into_iter().map(|e| e.map(|(_, d)| d)).collect();
-    profile::time(Stage::Sample, || hand_out(members, rounds, logits, depths))
+    profile::time(Stage::Sample, || hand_out(members, rounds, logits, exits))
 }
 
-/// The adaptive-depth members' rows, in shared passes until each one's rule stops it (`Model::run_auto`); per
-/// member, its hidden state at the exit and the loops it ran (`None` for the other members).
-fn auto_passes(model: &Model, loops: usize, members: &mut [Member]) -> Result<Vec<Option<(Tensor, usize)>>> {
+/// The rows under adaptive depth — decode rows (loops from 0) and adaptive rounds' verification rows (from
+/// `draft_loops`) — in shared passes until each one's rule stops it (`Model::run_auto`); per member, its rows'
+/// hidden states at their exits and the loops each ran (`None` for the other members).
+fn auto_passes(
+    model: &Model,
+    loops: usize,
+    members: &mut [Member],
+    rounds: &[Option<ChainRound>],
+) -> Result<Vec<Option<(Tensor, Vec<usize>)>>> {
     let mut out = vec![None; members.len()];
     let mut blocks = Vec::new();
     let (mut rules, mut owners) = (Vec::new(), Vec::new());
-    for (i, m) in members.iter_mut().enumerate() {
-        if let Work::Auto(token, rule) = &m.work {
-            let seq = &mut *m.seq;
-            let tokens = std::slice::from_ref(token);
-            let x = model.embed(tokens)?;
-            blocks.push(RowBlock {
-                seq: SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None },
-                x,
-                loops: 0..loops,
-            });
-            rules.push(*rule);
-            owners.push(i);
-        }
+    for (i, (m, round)) in members.iter_mut().zip(rounds).enumerate() {
+        let seq = &mut *m.seq;
+        let (tokens, x, start, rule) = match (&m.work, round) {
+            (Work::Auto(token, rule), _) => {
+                let tokens = std::slice::from_ref(token);
+                (tokens, model.embed(tokens)?, 0, *rule)
+            }
+            (Work::Chain(_, Some(rule)), Some(r)) => {
+                (&r.inputs[..r.k], Tensor::cat(&r.hidden, 0)?, r.spec.draft_loops, *rule)
+            }
+            _ => continue,
+        };
+        let seq_chunk = SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None, exits: None };
+        blocks.push(RowBlock { seq: seq_chunk, x, loops: start..loops });
+        rules.push(rule);
+        owners.push(i);
     }
     if blocks.is_empty() {
         return Ok(out);
     }
-    model.run_auto(&mut blocks, &rules)?;
-    for (i, b) in owners.into_iter().zip(blocks) {
-        out[i] = Some((b.x, b.loops.end));
+    let exits = model.run_auto(&mut blocks, &rules)?;
+    for ((i, b), e) in owners.into_iter().zip(blocks).zip(exits) {
+        out[i] = Some((b.x, e));
     }
     Ok(out)
 }
@@ -110,12 +123,12 @@ fn draft_passes(
             let seq = &mut *m.seq;
             let (tokens, pos, depth) = match (&m.work, round) {
                 (Work::Plain(feed), _) if j == 0 => (feed.as_slice(), seq.pos, pause),
-                (Work::Chain(_), Some(r)) if j < r.k => (&r.inputs[j..j + 1], seq.pos + j, r.spec.draft_loops),
+                (Work::Chain(..), Some(r)) if j < r.k => (&r.inputs[j..j + 1], seq.pos + j, r.spec.draft_loops),
                 _ => continue,
             };
             let x = model.embed(tokens)?;
             blocks.push(RowBlock {
-                seq: SeqChunk { cache: &mut seq.cache, pos, tokens, tree: None },
+                seq: SeqChunk { cache: &mut seq.cache, pos, tokens, tree: None, exits: None },
                 x,
                 loops: 0..depth,
             });
@@ -164,13 +177,13 @@ fn verify_pass(
     for (i, ((m, round), h)) in members.iter_mut().zip(rounds).zip(hidden).enumerate() {
         let seq = &mut *m.seq;
         let (tokens, x, depth) = match (&m.work, round, h) {
-            (Work::Auto(..), _, _) => continue,
+            (Work::Auto(..) | Work::Chain(_, Some(_)), _, _) => continue,
             (Work::Plain(feed), _, _) => (feed.as_slice(), plain_x[i].take(), pause),
-            (Work::Chain(_), Some(r), h) => (&r.inputs[..r.k], h, r.spec.draft_loops),
+            (Work::Chain(_, None), Some(r), h) => (&r.inputs[..r.k], h, r.spec.draft_loops),
             _ => return Err(Error::Internal("a chain member without its round".into())),
         };
         let x = x.ok_or_else(|| Error::Internal("a batched row lost its hidden state".into()))?;
-        let seq_chunk = SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None };
+        let seq_chunk = SeqChunk { cache: &mut seq.cache, pos: seq.pos, tokens, tree: None, exits: None };
         blocks.push(RowBlock { seq: seq_chunk, x, loops: depth..loops });
         owners.push(i);
     }
@@ -191,7 +204,7 @@ fn hand_out(
     members: &mut [Member],
     rounds: Vec<Option<ChainRound>>,
     logits: Vec<Vec<f32>>,
-    depths: Vec<Option<usize>>,
+    exits: Vec<Option<Vec<usize>>>,
 ) -> Result<()> {
     enum Rows {
         Round(ChainRound, Vec<Vec<f32>>),
@@ -199,12 +212,9 @@ fn hand_out(
     }
     let mut logits = logits.into_iter();
     let mut work = Vec::with_capacity(members.len());
-    for ((m, round), depth) in members.iter_mut().zip(rounds).zip(depths) {
-        if let Some(d) = depth {
-            m.seq.auto_loops.record(d);
-        }
+    for ((m, round), exits) in members.iter_mut().zip(rounds).zip(exits) {
         let rows = match (&m.work, round) {
-            (Work::Chain(_), Some(round)) => {
+            (Work::Chain(..), Some(round)) => {
                 let rows = logits.by_ref().take(round.k).collect();
                 Rows::Round(round, rows)
             }
@@ -215,13 +225,21 @@ fn hand_out(
             }
             _ => return Err(Error::Internal("a chain member without its round".into())),
         };
-        work.push((&mut *m.seq, rows));
+        work.push((&mut *m.seq, rows, exits));
     }
-    work.into_par_iter().for_each(|(seq, rows)| match rows {
-        Rows::Round(round, rows) => round.finish(seq, rows),
-        Rows::Plain { fed, mut row } => {
-            let step = seq.finish_step(fed, &mut row);
-            seq.ready.push_back(step);
+    work.into_par_iter().for_each(|(seq, rows, exits)| {
+        let before = seq.ready.len();
+        match rows {
+            Rows::Round(round, rows) => round.finish(seq, rows),
+            Rows::Plain { fed, mut row } => {
+                let step = seq.finish_step(fed, &mut row);
+                seq.ready.push_back(step);
+            }
+        }
+        // Each emitted token was chosen from one row, in order: those rows' depths are the tokens'.
+        let emitted = seq.ready.len() - before;
+        for &d in exits.iter().flatten().take(emitted) {
+            seq.auto_loops.record(d);
         }
     });
     Ok(())

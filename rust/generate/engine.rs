@@ -152,7 +152,7 @@ impl Engine {
         let mut done = 0;
         let mut out = Vec::with_capacity(depths.len());
         for &d in depths {
-            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None }];
+            let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None, exits: None }];
             h = self.model.run(h, &mut seqs, done == 0, done..d)?;
             done = d;
             let logits = self.model.logits(&h)?;
@@ -173,7 +173,7 @@ impl Engine {
         Generation { loops: Some(loops), auto: Some(rule), ..Default::default() }.validate()?;
         self.check_tokens(ids, "token id")?;
         let mut cache = self.model.new_cache(ids.len());
-        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: &ids[..1], tree: None }];
+        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: &ids[..1], tree: None, exits: None }];
         let mut logits = self.model.forward(&mut seqs, loops, LogitRows::Last)?;
         let (mut logps, mut depths) = (Vec::with_capacity(ids.len() - 1), Vec::with_capacity(ids.len() - 1));
         depths.push(loops);
@@ -185,7 +185,7 @@ impl Engine {
             }
             let tokens = &ids[t..t + 1];
             let x = self.model.embed(tokens)?;
-            let seq = SeqChunk { cache: &mut cache, pos: t, tokens, tree: None };
+            let seq = SeqChunk { cache: &mut cache, pos: t, tokens, tree: None, exits: None };
             let mut blocks = [RowBlock { seq, x, loops: 0..loops }];
             self.model.run_auto(&mut blocks, &[rule])?;
             depths.push(blocks[0].loops.end);
@@ -204,7 +204,7 @@ impl Engine {
         self.check_tokens(ids, "token id")?;
         let mut cache = self.model.new_cache(ids.len());
         let inputs = &ids[..ids.len() - 1];
-        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None }];
+        let mut seqs = [SeqChunk { cache: &mut cache, pos: 0, tokens: inputs, tree: None, exits: None }];
         let rows = self.model.forward(&mut seqs, loops, LogitRows::All)?.to_vec2::<f32>()?;
         Ok(rows.iter().zip(&ids[1..]).map(|(row, &next)| TokenLogprob::of(row, next, n)).collect())
     }
@@ -224,7 +224,7 @@ impl Engine {
         ensure_arg!((1..=MAX_LOOPS).contains(&loops), "loops must be in 1..={MAX_LOOPS}, got {loops}");
         ensure_arg!(!ids.is_empty(), "feed needs at least one token");
         self.check_tokens(ids, "token id")?;
-        let mut seqs = [SeqChunk { cache, pos, tokens: ids, tree: None }];
+        let mut seqs = [SeqChunk { cache, pos, tokens: ids, tree: None, exits: None }];
         let t = self.model.forward(&mut seqs, loops, LogitRows::All)?;
         Ok(t.flatten_all()?.to_vec1::<f32>()?)
     }

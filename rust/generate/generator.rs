@@ -213,7 +213,7 @@ impl Generator {
         let chunk = if seq.cache.window() > 0 { WINDOW_PREFILL_CHUNK } else { feed.len() };
         let (mut at, mut logits) = (seq.pos, None);
         for part in feed.chunks(chunk) {
-            let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: at, tokens: part, tree: None }];
+            let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: at, tokens: part, tree: None, exits: None }];
             logits = Some(self.engine.model.forward(&mut seqs, self.loops, LogitRows::Last)?);
             at += part.len();
         }
@@ -254,7 +254,8 @@ impl Generator {
         if spec.k_branches > 1 {
             return tree::round(model, &mut self.seq, spec);
         }
-        batch::run_group(model, self.loops, &mut [Member { seq: &mut self.seq, work: Work::Chain(spec) }])
+        let work = Work::Chain(spec, self.auto);
+        batch::run_group(model, self.loops, &mut [Member { seq: &mut self.seq, work }])
     }
 
     /// This generator's part in a batched step.
@@ -270,7 +271,7 @@ impl Generator {
         let key = (Arc::as_ptr(&self.engine) as usize, self.loops);
         match (seq.pending, self.spec) {
             (Some(_), Some(spec)) if spec.k_branches > 1 => Next::Solo,
-            (Some(_), Some(spec)) => Next::Batch(key, Work::Chain(spec)),
+            (Some(_), Some(spec)) => Next::Batch(key, Work::Chain(spec, self.auto)),
             (Some(t), None) => match self.auto {
                 Some(rule) => Next::Batch(key, Work::Auto(t, rule)),
                 None => Next::Batch(key, Work::Plain(vec![t])),

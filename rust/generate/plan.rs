@@ -52,10 +52,19 @@ impl Generation {
             );
         }
         if let Some(auto) = self.auto {
-            ensure_arg!(
-                self.speculative.is_none(),
-                "speculative decoding (draft) is not available with loops \"auto\": use a fixed loops"
-            );
+            if let Some(spec) = &self.speculative {
+                ensure_arg!(
+                    spec.k_branches == 1,
+                    "tree speculative decoding (K_branches > 1) is not available with loops \"auto\""
+                );
+                ensure_arg!(
+                    spec.draft_loops < auto.min_loops.max(2),
+                    "with loops \"auto\", draft_loops ({}) must be below max(min_loops, 2) ({}): drafts run loops \
+                     that no token may stop before",
+                    spec.draft_loops,
+                    auto.min_loops.max(2)
+                );
+            }
             ensure_arg!(
                 auto.min_loops >= 1 && self.loops.is_none_or(|l| auto.min_loops <= l),
                 "min_loops must be at least 1 and at most max_loops, got {}",
@@ -169,7 +178,11 @@ mod tests {
         assert!(error(&auto(0, 0.01)).contains("min_loops"));
         assert!(error(&auto(2, f32::NAN)).contains("exit_threshold"));
         assert!(error(&auto(2, -1.0)).contains("exit_threshold"));
-        assert!(error(&Generation { auto: Some(AutoDepth::default()), ..spec(2, 8, 4, 1) }).contains("draft"));
+        let with_rule =
+            |min_loops, g: Generation| Generation { auto: Some(AutoDepth { min_loops, threshold: 0.01 }), ..g };
+        assert!(with_rule(3, spec(2, 8, 4, 1)).validate().is_ok() && with_rule(2, spec(1, 8, 4, 1)).validate().is_ok());
+        assert!(error(&with_rule(2, spec(2, 8, 4, 1))).contains("draft_loops (2) must be below max(min_loops, 2) (2)"));
+        assert!(error(&with_rule(4, spec(1, 8, 4, 2))).contains("K_branches"));
         let bad_params = Generation { params: SamplingParams { top_p: 2.0, ..greedy() }, ..Default::default() };
         assert!(error(&bad_params).contains("top_p"));
     }

@@ -20,7 +20,8 @@ pub(super) fn round(model: &Model, seq: &mut SeqState, spec: Speculative) -> Res
     seq.sampler.rewind_drafts(); // a round that failed after drafting left its drafts in the grammar
     let tree = Tree::draft(model, seq, spec, x0, k)?;
     let tokens: Vec<u32> = vec![0; tree.hidden.len()];
-    let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: tree.p0, tokens: &tokens, tree: Some(&tree.rows) }];
+    let mut seqs =
+        [SeqChunk { cache: &mut seq.cache, pos: tree.p0, tokens: &tokens, tree: Some(&tree.rows), exits: None }];
     let h = model.run(Tensor::cat(&tree.hidden, 0)?, &mut seqs, false, spec.draft_loops..spec.verify_loops)?;
     let logits = model.logits(&h)?.to_vec2::<f32>()?;
     seq.pending = None;
@@ -73,7 +74,8 @@ impl Tree {
                     push_row(&mut level, at, p0 + j, vec![at], p0 + j);
                 }
             }
-            let mut seqs = [SeqChunk { cache: &mut seq.cache, pos: p0 + j, tokens: &toks, tree: Some(&level) }];
+            let mut seqs =
+                [SeqChunk { cache: &mut seq.cache, pos: p0 + j, tokens: &toks, tree: Some(&level), exits: None }];
             let h = model.run(model.embed(&toks)?, &mut seqs, true, 0..spec.draft_loops)?;
             t.record(j, &level, &h)?;
             if j < k {

@@ -21,6 +21,9 @@ pub struct RowLayout<'a> {
     pub extra: &'a [Vec<usize>],
     /// Each row's RoPE position (where its window starts from).
     pub pos: &'a [usize],
+    /// Rows whose K/V here is a copy of another slot's at the row's index — (row, source slot) — made before any
+    /// row attends: adaptive depth's rows that stopped looping (`cache/fill.rs`).
+    pub fills: &'a [(usize, usize)],
 }
 
 impl RowLayout<'_> {

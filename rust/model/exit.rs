@@ -5,51 +5,134 @@
 
 use candle_core::Tensor;
 
-use super::{AutoDepth, Model, RowBlock};
+use super::{AutoDepth, Model, RowBlock, SeqChunk};
 use crate::error::Result;
 use crate::profile::{self, Stage};
 
 impl Model {
-    /// Run each one-row block (`loops` `0..max_loops` on the way in, `0..exit` on the way out, `x` the hidden state
-    /// at the exit) until `rules[i]` stops it, sharing each loop's pass among the rows still going; then fill the
-    /// loops each row skipped with its exit loop's K/V.
-    pub fn run_auto(&self, blocks: &mut [RowBlock], rules: &[AutoDepth]) -> Result<()> {
-        debug_assert!(blocks.iter().all(|b| b.loops.start == 0 && b.seq.tokens.len() == 1 && b.seq.tree.is_none()));
+    /// Run each block's rows from `loops.start` until `rules[i]` stops each row (at `loops.end` at the latest),
+    /// sharing each loop's pass among the blocks still running; returns each block's rows' exits (the loops each
+    /// ran) and leaves in `x` each row's hidden state at its exit. A block of one row leaves the passes when it
+    /// stops; a block of several (a speculative round's rows) runs until its last row stops, its stopped rows
+    /// computed but holding their exit loop's K/V (`SeqChunk::exits`). Then every skipped loop's slot gets each
+    /// row's exit-loop K/V.
+    pub fn run_auto(&self, blocks: &mut [RowBlock], rules: &[AutoDepth]) -> Result<Vec<Vec<usize>>> {
+        debug_assert!(blocks.iter().all(|b| b.seq.tree.is_none() && b.seq.exits.is_none()));
         let ends: Vec<usize> = blocks.iter().map(|b| b.loops.end).collect();
-        let last = ends.iter().copied().max().unwrap_or(0);
-        let mut prev: Vec<Option<Vec<f32>>> = vec![None; blocks.len()];
+        let mut exits: Vec<Vec<usize>> = blocks.iter().map(|b| vec![usize::MAX; b.seq.tokens.len()]).collect();
+        let mut held: Vec<Vec<Option<Tensor>>> = exits.iter().map(|e| vec![None; e.len()]).collect();
+        let mut prev: Vec<Vec<Option<Vec<f32>>>> = exits.iter().map(|e| vec![None; e.len()]).collect();
         if !self.prelude.is_empty() {
-            profile::time(Stage::Blocks, || self.advance(blocks, |_| true, |x, seqs| self.prelude_pass(x, seqs)))?;
+            let starting = |b: &RowBlock| b.loops.start == 0;
+            profile::time(Stage::Blocks, || self.advance(blocks, starting, |x, seqs| self.prelude_pass(x, seqs)))?;
         }
-        for lp in 0..last {
-            profile::time(Stage::Blocks, || {
-                self.advance(blocks, |b| b.loops.end > lp, |x, seqs| self.loop_pass(x, seqs, lp))
+        let first = blocks.iter().map(|b| b.loops.start).min().unwrap_or(0);
+        let last = ends.iter().copied().max().unwrap_or(0);
+        // Rows entering after loop 0 whose first check needs the distribution they enter with.
+        self.exit_checks(blocks, rules, &mut exits, &mut held, &mut prev, |b| b.loops.start)?;
+        for lp in first..last {
+            let running: Vec<bool> = (0..blocks.len())
+                .map(|i| blocks[i].loops.start <= lp && lp < ends[i] && exits[i].contains(&usize::MAX))
+                .collect();
+            profile::time(Stage::Blocks, || self.auto_pass(blocks, &running, &exits, lp))?;
+            self.exit_checks(blocks, rules, &mut exits, &mut held, &mut prev, |b| {
+                if b.loops.start <= lp {
+                    lp + 1
+                } else {
+                    0
+                }
             })?;
-            let d = lp + 1;
-            // The rows that need their exit distribution after loop d: from one loop before their first check on.
-            let want: Vec<usize> =
-                (0..blocks.len()).filter(|&i| blocks[i].loops.end > d && d + 1 >= rules[i].first_check()).collect();
-            if want.is_empty() {
+        }
+        for (i, b) in blocks.iter_mut().enumerate() {
+            let rows: Vec<Tensor> = (0..exits[i].len())
+                .map(|r| match held[i][r].take() {
+                    Some(x) => Ok(x),
+                    None => {
+                        exits[i][r] = ends[i];
+                        b.x.narrow(0, r, 1)
+                    }
+                })
+                .collect::<candle_core::Result<_>>()?;
+            b.x = if rows.len() == 1 {
+                rows.into_iter().next().unwrap_or_else(|| unreachable!())
+            } else {
+                Tensor::cat(&rows, 0)?
+            };
+            // The block ran loops up to its last row's exit; the stopped rows were filled in those passes.
+            let stop = exits[i].iter().copied().max().unwrap_or(ends[i]);
+            for lp in stop..ends[i] {
+                for (r, &exit) in exits[i].iter().enumerate() {
+                    for j in 0..self.cfg.block_count {
+                        b.seq.cache.copy_position(self.slot(exit - 1, j), self.slot(lp, j), b.seq.pos + r)?;
+                    }
+                }
+            }
+            b.loops.end = stop;
+        }
+        Ok(exits)
+    }
+
+    /// One loop `lp` over the running blocks, each with its rows' exits so far.
+    fn auto_pass(&self, blocks: &mut [RowBlock], running: &[bool], exits: &[Vec<usize>], lp: usize) -> Result<()> {
+        let chosen: Vec<(usize, &mut RowBlock)> = blocks.iter_mut().enumerate().filter(|(i, _)| running[*i]).collect();
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        let xs: Vec<&Tensor> = chosen.iter().map(|(_, b)| &b.x).collect();
+        let x = if xs.len() == 1 { xs[0].clone() } else { Tensor::cat(&xs, 0)? };
+        let mut rows = Vec::with_capacity(chosen.len());
+        let mut seqs: Vec<SeqChunk> = chosen
+            .into_iter()
+            .map(|(i, RowBlock { seq, x, .. })| {
+                rows.push((seq.tokens.len(), x));
+                let stopped = exits[i].iter().any(|&e| e != usize::MAX);
+                let exits = stopped.then_some(exits[i].as_slice());
+                SeqChunk { cache: &mut *seq.cache, pos: seq.pos, tokens: seq.tokens, tree: None, exits }
+            })
+            .collect();
+        let y = self.loop_pass(x, &mut seqs, lp)?;
+        drop(seqs);
+        let mut off = 0;
+        for (n, x) in rows {
+            *x = y.narrow(0, off, n)?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// After loop `d = at(block)` (0: not now): each running row that its rule checks from `d + 1` or `d` on gets
+    /// its exit distribution; a row whose divergence from the previous loop's is below the threshold stops at `d`.
+    fn exit_checks(
+        &self,
+        blocks: &[RowBlock],
+        rules: &[AutoDepth],
+        exits: &mut [Vec<usize>],
+        held: &mut [Vec<Option<Tensor>>],
+        prev: &mut [Vec<Option<Vec<f32>>>],
+        at: impl Fn(&RowBlock) -> usize,
+    ) -> Result<()> {
+        let mut want = Vec::new();
+        for (i, b) in blocks.iter().enumerate() {
+            let d = at(b);
+            if d == 0 || d >= b.loops.end || d + 1 < rules[i].first_check() {
                 continue;
             }
-            let h: Vec<&Tensor> = want.iter().map(|&i| &blocks[i].x).collect();
-            let logp = self.exit_logprobs(&Tensor::cat(&h, 0)?)?;
-            for (&i, cur) in want.iter().zip(logp) {
-                let rule = rules[i];
-                if d >= rule.first_check() && prev[i].as_ref().is_some_and(|p| kl_divergence(&cur, p) < rule.threshold)
-                {
-                    blocks[i].loops.end = d;
-                }
-                prev[i] = Some(cur);
-            }
+            want.extend((0..exits[i].len()).filter(|&r| exits[i][r] == usize::MAX).map(|r| (i, r, d)));
         }
-        for (b, &end) in blocks.iter_mut().zip(&ends) {
-            let exit = b.loops.end;
-            for lp in exit..end {
-                for j in 0..self.cfg.block_count {
-                    b.seq.cache.copy_position(self.slot(exit - 1, j), self.slot(lp, j), b.seq.pos)?;
-                }
+        if want.is_empty() {
+            return Ok(());
+        }
+        let h: Vec<Tensor> =
+            want.iter().map(|&(i, r, _)| blocks[i].x.narrow(0, r, 1)).collect::<candle_core::Result<_>>()?;
+        let logp = self.exit_logprobs(&Tensor::cat(&h, 0)?)?;
+        for ((i, r, d), (cur, x)) in want.into_iter().zip(logp.into_iter().zip(h)) {
+            let rule = rules[i];
+            let settled = prev[i][r].as_ref().is_some_and(|p| kl_divergence(&cur, p) < rule.threshold);
+            if d >= rule.first_check() && settled {
+                exits[i][r] = d;
+                held[i][r] = Some(x);
             }
+            prev[i][r] = Some(cur);
         }
         Ok(())
     }

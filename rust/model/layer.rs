@@ -144,12 +144,19 @@ fn attend(
         jobs.push((s, &q[row * nh * hd..(row + n) * nh * hd], &k[kr.clone()], &v[kr], o));
         row += n;
     }
-    let one = |(s, qq, kk, vv, o): AttnJob| match s.tree {
-        Some(t) => {
-            let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope };
+    let one = |(s, qq, kk, vv, o): AttnJob| match (s.tree, s.exits) {
+        (Some(t), _) => {
+            let layout = RowLayout { store: &t.store, prefix: &t.prefix, extra: &t.extra, pos: &t.rope, fills: &[] };
             s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
         }
-        None => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
+        (None, Some(exits)) => {
+            let fills = exit_fills(cfg, slot, exits);
+            let store: Vec<usize> = (s.pos..s.pos + exits.len()).collect();
+            let visible: Vec<usize> = (s.pos + 1..=s.pos + exits.len()).collect();
+            let layout = RowLayout { store: &store, prefix: &visible, extra: &[], pos: &store, fills: &fills };
+            s.cache.write_rows_and_attend(slot, &layout, kk, vv, qq, o)
+        }
+        (None, None) => s.cache.write_and_attend(slot, s.pos, kk, vv, qq, o),
     };
     let work: usize = seqs_work(&jobs, nh * hd);
     if jobs.len() > 1 && work >= ATTN_PARALLEL_MIN {
@@ -158,6 +165,17 @@ fn attend(
         jobs.into_iter().try_for_each(one)?;
     }
     Ok(att)
+}
+
+/// The rows of a chunk that stopped looping before the loop `slot` belongs to, each with the slot of the same layer
+/// in its exit loop (adaptive depth: their K/V there is that loop's).
+fn exit_fills(cfg: &Config, slot: usize, exits: &[usize]) -> Vec<(usize, usize)> {
+    let (prelude, block) = (cfg.prelude_count, cfg.block_count);
+    if slot < prelude {
+        return Vec::new();
+    }
+    let (lp, j) = ((slot - prelude) / block, (slot - prelude) % block);
+    exits.iter().enumerate().filter(|&(_, &e)| e <= lp).map(|(i, &e)| (i, prelude + (e - 1) * block + j)).collect()
 }
 
 /// One sequence's share of a layer's attention: its chunk, its Q, K and V rows, and its piece of the output.

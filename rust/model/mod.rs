@@ -245,7 +245,7 @@ impl Model {
             .into_iter()
             .map(|RowBlock { seq, x, .. }| {
                 rows.push((seq.tokens.len(), x));
-                SeqChunk { cache: &mut *seq.cache, pos: seq.pos, tokens: seq.tokens, tree: seq.tree }
+                SeqChunk { cache: &mut *seq.cache, pos: seq.pos, tokens: seq.tokens, tree: seq.tree, exits: seq.exits }
             })
             .collect();
         let y = f(x, &mut seqs)?;

@@ -13,6 +13,9 @@ pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     /// Tree rows (speculative verification): where each row is stored, what it sees, its RoPE position.
     pub tree: Option<&'a TreeRows>,
+    /// Adaptive depth: per row, the loops it ran before it stopped (`usize::MAX` while it runs). In a later loop's
+    /// pass the row is still computed with the others, but its K/V there is its exit loop's (`RowLayout::fills`).
+    pub exits: Option<&'a [usize]>,
 }
 
 /// Rows of a token tree: row i is stored at `store[i]`, attends to `0..prefix[i]` and `extra[i]`, and is rotated

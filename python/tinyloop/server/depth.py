@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from .._core import MAX_LOOPS, AutoDepth, Generation
+from .._core import MAX_LOOPS, AutoDepth, Generation, Speculative
 from ..errors import APIError
 from .strict import Strict, ranged
 
@@ -32,19 +32,49 @@ class DepthFields(Strict):
                 400, f"min_loops ({self.min_loops}) must be at most max_loops ({self.max_loops})", param="min_loops"
             )
 
-    def loop_arg(self) -> int | AutoDepth | None:
-        """What `Generation(loops=...)` takes for this request."""
+    def loop_arg(self, verify_loops: int | None = None) -> int | AutoDepth | None:
+        """What `Generation(loops=...)` takes for this request (speculative: up to `verify_loops`)."""
         if self.loops != AUTO:
             return self.loops
         return AutoDepth(
             min_loops=self.min_loops or AutoDepth().min_loops,
-            max_loops=self.max_loops,
+            max_loops=verify_loops or self.max_loops,
             threshold=AutoDepth().threshold if self.exit_threshold is None else self.exit_threshold,
         )
+
+    def check_drafts(self, draft_loops: int, verify_loops: int | None, tree: bool) -> None:
+        """Speculative decoding under `"auto"`: chain mode only, drafting fewer loops than any token may stop at, and
+        up to the verify depth (`max_loops` may only repeat it)."""
+        if self.loops != AUTO:
+            return
+        if tree:
+            raise APIError(
+                400, 'tree_speculative is not available with loops "auto": use mode "speculative"', param="loops"
+            )
+        if verify_loops is not None and self.max_loops not in (None, verify_loops):
+            raise APIError(400, f"max_loops must be verify_loops ({verify_loops}) when speculative", param="max_loops")
+        check_auto_drafts(self.min_loops or AutoDepth().min_loops, draft_loops)
+
+    def loop_arg_for(self, spec: Speculative | None) -> int | AutoDepth | None:
+        """`loop_arg` beside speculative settings: a fixed depth is theirs (`verify_loops`), `"auto"` runs up to it."""
+        if spec is None:
+            return self.loop_arg()
+        return self.loop_arg(spec.verify_loops) if self.loops == AUTO else None
 
     def depth_fields(self) -> dict[str, Any]:
         """The depth fields this request sets, to hand to another schema."""
         return {name: getattr(self, name) for name in ("loops", *RULE_FIELDS) if getattr(self, name) is not None}
+
+
+def check_auto_drafts(min_loops: int, draft_loops: int) -> None:
+    """Drafts run loops that no token may stop before: `draft_loops` below the first loop the rule checks after."""
+    first = max(min_loops, 2)
+    if draft_loops >= first:
+        raise APIError(
+            400,
+            f'with loops "auto", draft_loops ({draft_loops}) must be below max(min_loops, 2) ({first})',
+            param="draft_loops",
+        )
 
 
 def depth_of(g: Generation) -> int | AutoDepth | None:

@@ -27,7 +27,7 @@ from .._core import (
     Speculative,
 )
 from ..errors import APIError
-from .depth import AUTO, DepthFields
+from .depth import DepthFields, check_auto_drafts
 from .strict import Strict, ranged
 from .strict import check_range as _range
 from .structured import ResponseFormat
@@ -255,7 +255,7 @@ class LMStudioExtras(OpenAISampling):
         if self.mode not in MODES:
             raise APIError(400, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", param="mode")
         if self.mode != "generate":
-            refuse_auto_with_drafts(self.loops)
+            self.check_drafts(self.draft_loops, self.verify_loops, tree=self.mode == "tree_speculative")
             check_speculative(
                 self.mode, self.draft_ahead, self.K_branches, self.draft_loops, self.verify_loops, self.temperature
             )
@@ -271,7 +271,7 @@ class LMStudioExtras(OpenAISampling):
         return [
             Generation(
                 self._params(i, self.repetition_penalty),
-                loops=None if spec else self.loop_arg(),
+                loops=self.loop_arg_for(spec),
                 speculative=spec,
                 cache_window=self.cache_window,
                 grammar=self.grammar(),
@@ -331,8 +331,7 @@ class GenerateRequest(DepthFields):
             stop_token_ids=stop_token_ids,
         )
         spec = self.speculative()
-        depth = None if spec else self.loop_arg()
-        return Generation(params, loops=depth, speculative=spec, cache_window=self.cache_window)
+        return Generation(params, loops=self.loop_arg_for(spec), speculative=spec, cache_window=self.cache_window)
 
 
 class SpeculativeRequest(GenerateRequest):
@@ -345,7 +344,7 @@ class SpeculativeRequest(GenerateRequest):
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> None:
         super().check(max_tokens_limit)
-        refuse_auto_with_drafts(self.loops)
+        self.check_drafts(self.draft_loops, self.verify_loops, tree=self.branches() > 1 or self.mode != "speculative")
         check_speculative(
             self.mode, self.draft_ahead, self.branches(), self.draft_loops, self.verify_loops, self.temperature
         )
@@ -375,18 +374,12 @@ def with_drafts(g: Generation, draft_loops: int | None, draft_ahead: int, defaul
     on the Responses and Messages families (None: `g` unchanged)."""
     if draft_loops is None:
         return g
-    if g.auto is not None:
-        raise APIError(400, 'draft_loops cannot be combined with loops "auto": use a fixed loops', param="draft_loops")
     verify = g.loops or default_loops
+    if g.auto is not None:
+        check_auto_drafts(g.auto.min_loops, draft_loops)
     check_speculative("speculative", draft_ahead, 1, draft_loops, verify, g.params.temperature)
     spec = Speculative(draft_loops, verify, draft_ahead)
-    return Generation(g.params, speculative=spec, cache_window=g.cache_window, grammar=g.grammar)
-
-
-def refuse_auto_with_drafts(loops: int | str | None) -> None:
-    """Speculative modes verify at a fixed depth: adaptive depth is refused there by name."""
-    if loops == AUTO:
-        raise APIError(400, 'loops "auto" is not available with speculative decoding: use verify_loops', param="loops")
+    return Generation(g.params, loops=g.auto, speculative=spec, cache_window=g.cache_window, grammar=g.grammar)
 
 
 def check_speculative(

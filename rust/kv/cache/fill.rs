@@ -9,7 +9,8 @@ use crate::kv::attend::{Ctx, RowLayout};
 use crate::kv::elem::KvElem;
 
 impl KvCache {
-    /// Copy position `pos`'s K/V from slot `from` into slot `to`, which must already hold every position before it.
+    /// Copy position `pos`'s K/V from slot `from` into slot `to`, which must already hold every position before it
+    /// (positions after it, written in the same pass, stay).
     /// Nothing to do when both are one slot (loops sharing their KV).
     pub fn copy_position(&mut self, from: usize, to: usize, pos: usize) -> Result<()> {
         let (from, to) = (self.physical(from), self.physical(to));
@@ -49,7 +50,7 @@ impl<T: KvElem> Slot<T> {
         }
         let at = [pos];
         let visible = [pos + 1];
-        self.make_room(ctx, &RowLayout { store: &at, prefix: &visible, extra: &[], pos: &at })?;
+        self.make_room(ctx, &RowLayout { store: &at, prefix: &visible, extra: &[], pos: &at, fills: &[] })?;
         let (heads, w) = (ctx.shape.n_kv_heads, ctx.shape.head_dim / T::PACK);
         let (to, from) = (pos - self.base, pos - src.base);
         for g in 0..heads {
@@ -59,7 +60,7 @@ impl<T: KvElem> Slot<T> {
             self.k_meta[d] = src.k_meta[s];
             self.v_meta[d] = src.v_meta[s];
         }
-        self.len = pos + 1;
+        self.len = self.len.max(pos + 1);
         Ok(())
     }
 }

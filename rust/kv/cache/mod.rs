@@ -217,7 +217,7 @@ impl KvCache {
         let n = k.len() / (self.shape.n_kv_heads * self.shape.head_dim).max(1);
         let store: Vec<usize> = (pos..pos + n).collect();
         let visible: Vec<usize> = (pos + 1..=pos + n).collect();
-        let layout = RowLayout { store: &store, prefix: &visible, extra: &[], pos: &store };
+        let layout = RowLayout { store: &store, prefix: &visible, extra: &[], pos: &store, fills: &[] };
         self.write_rows_and_attend(slot, &layout, k, v, q, out)
     }
 
@@ -253,6 +253,7 @@ impl KvCache {
             return Err(Error::ContextLength { needed: hi + 1, limit: self.capacity });
         }
         let have = self.slot_len(slot);
+        let logical = slot;
         let slot = self.physical(slot);
         if lo > have {
             return Err(Error::Internal(format!("slot {slot} holds {have} positions, cannot write at {lo}")));
@@ -260,11 +261,13 @@ impl KvCache {
         let (ctx, kind) = (self.ctx(), self.kind);
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
         let buf = entry.get_or_insert_with(|| SlotBuf::empty(kind));
-        each_slot!(buf, s => {
-            s.write(ctx, layout, k, v)?;
-            attend(s.view(), ctx, layout, q, out);
-            Ok(())
-        })
+        each_slot!(buf, s => s.write(ctx, layout, k, v))?;
+        for &(row, from) in layout.fills {
+            self.copy_position(from, logical, layout.store[row])?;
+        }
+        let buf = self.slots[slot].as_ref().ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
+        each_slot!(buf, s => attend(s.view(), ctx, layout, q, out));
+        Ok(())
     }
 
     /// What a write or copy needs to know of this cache.
@@ -582,7 +585,7 @@ mod tests {
                     cache
                         .write_rows_and_attend(
                             0,
-                            &RowLayout { store: &rows, prefix: &prefix, extra: &extra, pos: &rows },
+                            &RowLayout { store: &rows, prefix: &prefix, extra: &extra, pos: &rows, fills: &[] },
                             kk,
                             vv,
                             qq,
