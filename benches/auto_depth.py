@@ -31,6 +31,8 @@ from tinyloop.modelfile.evaluate import held_out_ids
 
 FIXED = [2, 3, 4, 5, 6, 8]
 THRESHOLDS = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003]
+DRAFT = (2, 4)  # (draft_loops, draft_ahead) of the speculative rows
+DRAFTED_THRESHOLD = 0.003
 PROMPTS = ["The king said unto his servants", "User: What is the sea?\nAssistant:", "In the beginning", "Q: Why"]
 
 
@@ -58,16 +60,17 @@ def auto_ppl(engine, wins: list[list[int]], rule: AutoDepth) -> tuple[float, flo
     return math.exp(nll / count), loops / decided
 
 
-def speed(engine, depths: list, new: int, rounds: int) -> list[float]:
-    """Tokens per second for each depth (an int or an AutoDepth), best of `rounds` interleaved rounds."""
+def speed(engine, settings: list[dict], new: int, rounds: int) -> list[float]:
+    """Tokens per second for each setting (`generate`'s keywords: loops, draft), best of `rounds` interleaved
+    rounds."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     prompts = [engine.encode(p) for p in PROMPTS]
-    best = [0.0] * len(depths)
+    best = [0.0] * len(settings)
     for _ in tqdm(range(rounds), desc="speed rounds", leave=False):
-        for i, depth in enumerate(depths):
+        for i, kw in enumerate(settings):
             start = time.perf_counter()
             for p in prompts:
-                engine.generate(p, params, loops=depth)
+                engine.generate(p, params, **kw)
             best[i] = max(best[i], len(prompts) * new / (time.perf_counter() - start))
     return best
 
@@ -128,9 +131,13 @@ def main() -> int:
     engine = tinyloop.Engine(str(args.model))
     wins = windows(held_out_ids(engine, args.heldout.read_text(encoding="utf-8"), args.tokens), args.window)
     rules = [AutoDepth(max_loops=8, threshold=t) for t in THRESHOLDS]
+    drafted = AutoDepth(min_loops=3, max_loops=8, threshold=DRAFTED_THRESHOLD)  # drafts need draft_loops < 3
     fixed = fixed_ppl(engine, wins)
-    autos = [auto_ppl(engine, wins, r) for r in rules]
-    tps = speed(engine, [*FIXED, *rules], args.new, args.rounds)
+    autos = [auto_ppl(engine, wins, r) for r in [*rules, drafted]]
+    settings = [{"loops": d} for d in FIXED] + [{"loops": r} for r in rules]
+    settings += [{"loops": 8, "draft": DRAFT}, {"loops": drafted}, {"loops": drafted, "draft": DRAFT}]
+    tps = speed(engine, settings, args.new, args.rounds)
+    n = len(FIXED) + len(rules)
     result = {
         "machine": f"{cpu_name()}, {len(__import__('os').sched_getaffinity(0))} threads",
         "model": args.model.name,
@@ -141,8 +148,19 @@ def main() -> int:
         ],
         "auto": [
             {"threshold": th, "mean_loops": m, "perplexity": p, "tokens_per_second": t}
-            for th, (p, m), t in zip(THRESHOLDS, autos, tps[len(FIXED) :], strict=True)
+            for th, (p, m), t in zip(THRESHOLDS, autos[: len(rules)], tps[len(FIXED) : n], strict=True)
         ],
+        "speculative": {
+            "draft": list(DRAFT),
+            "fixed_8": {"perplexity": fixed[8], "tokens_per_second": tps[n]},
+            "auto_min_loops_3": {
+                "threshold": DRAFTED_THRESHOLD,
+                "perplexity": autos[-1][0],
+                "mean_loops": autos[-1][1],
+                "tokens_per_second_plain": tps[n + 1],
+                "tokens_per_second_drafted": tps[n + 2],
+            },
+        },
     }
     base = next(r for r in result["fixed"] if r["loops"] == 8)
     print(f"{result['machine']}; {result['tokens']} held-out tokens; fixed 8: ppl {base['perplexity']:.2f}")
@@ -153,6 +171,17 @@ def main() -> int:
         ppl, tps = r["perplexity"], r["tokens_per_second"]
         rel = ppl / base["perplexity"] - 1, tps / base["tokens_per_second"]
         print(f"{name:>16} {loops:10.2f} {ppl:8.2f} {rel[0]:+7.2%} {tps:7.1f} {rel[1]:6.2f}")
+    spec = result["speculative"]
+    f8, auto = spec["fixed_8"], spec["auto_min_loops_3"]
+    f8_ratio = f8["tokens_per_second"] / base["tokens_per_second"]
+    print(f"drafts {DRAFT}: fixed 8 {f8['tokens_per_second']:.1f} tok/s ({f8_ratio:.2f} x 8)")
+    print(
+        f"auto {DRAFTED_THRESHOLD:g}, min_loops 3: {auto['mean_loops']:.2f} loops, ppl {auto['perplexity']:.2f} "
+        f"({auto['perplexity'] / base['perplexity'] - 1:+.2%}); plain {auto['tokens_per_second_plain']:.1f}, "
+        f"drafted {auto['tokens_per_second_drafted']:.1f} tok/s "
+        f"({auto['tokens_per_second_drafted'] / base['tokens_per_second']:.2f} x 8, "
+        f"{auto['tokens_per_second_drafted'] / f8['tokens_per_second']:.2f} x drafted 8)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
