@@ -66,6 +66,9 @@ pub(super) fn run_group(model: &Model, loops: usize, members: &mut [Member]) -> 
     profile::time(Stage::Sample, || hand_out(members, rounds, logits, exits))
 }
 
+/// An adaptive member's rows at their exits, and the loops each ran.
+type Stopped = (Tensor, Vec<usize>);
+
 /// The rows under adaptive depth — decode rows (loops from 0) and adaptive rounds' verification rows (from
 /// `draft_loops`) — in shared passes until each one's rule stops it (`Model::run_auto`); per member, its rows'
 /// hidden states at their exits and the loops each ran (`None` for the other members).
@@ -74,7 +77,7 @@ fn auto_passes(
     loops: usize,
     members: &mut [Member],
     rounds: &[Option<ChainRound>],
-) -> Result<Vec<Option<(Tensor, Vec<usize>)>>> {
+) -> Result<Vec<Option<Stopped>>> {
     let mut out = vec![None; members.len()];
     let mut blocks = Vec::new();
     let (mut rules, mut owners) = (Vec::new(), Vec::new());

@@ -1,7 +1,8 @@
-//! Adaptive depth (`loops: "auto"`): decode rows that run loops one at a time and stop when their next-token
-//! distribution has settled (the rule is `generate::AutoDepth`'s). A stopped row leaves the passes — the rows still
-//! looping share the rest — and the loops it skipped keep its last loop's K/V at its position
-//! (`KvCache::copy_position`), so a later token running those loops attends to it there.
+//! Adaptive depth (`loops: "auto"`, the rule in `depth.rs`): rows that run loops one at a time and stop when their
+//! next-token distribution has settled. A decode row that stops leaves the passes — the rows still looping share the
+//! rest; a speculative round's rows stop one by one and stay in the passes until the last one stops, a stopped row
+//! holding its exit loop's K/V in each later loop (`SeqChunk::exits`). The loops a row skipped keep its last loop's
+//! K/V at its position (`KvCache::copy_position`), so a later token running those loops attends to it there.
 
 use candle_core::Tensor;
 
@@ -44,32 +45,36 @@ impl Model {
             })?;
         }
         for (i, b) in blocks.iter_mut().enumerate() {
-            let rows: Vec<Tensor> = (0..exits[i].len())
-                .map(|r| match held[i][r].take() {
-                    Some(x) => Ok(x),
-                    None => {
-                        exits[i][r] = ends[i];
-                        b.x.narrow(0, r, 1)
-                    }
-                })
-                .collect::<candle_core::Result<_>>()?;
-            b.x = if rows.len() == 1 {
-                rows.into_iter().next().unwrap_or_else(|| unreachable!())
-            } else {
-                Tensor::cat(&rows, 0)?
-            };
-            // The block ran loops up to its last row's exit; the stopped rows were filled in those passes.
-            let stop = exits[i].iter().copied().max().unwrap_or(ends[i]);
-            for lp in stop..ends[i] {
-                for (r, &exit) in exits[i].iter().enumerate() {
-                    for j in 0..self.cfg.block_count {
-                        b.seq.cache.copy_position(self.slot(exit - 1, j), self.slot(lp, j), b.seq.pos + r)?;
-                    }
-                }
-            }
-            b.loops.end = stop;
+            self.settle(b, &mut exits[i], &mut held[i], ends[i])?;
         }
         Ok(exits)
+    }
+
+    /// A block's rows after the passes: each one's hidden state at its exit in `x` (a row that never stopped ran to
+    /// `end`), and the loops after the block's last pass filled with each row's exit-loop K/V (the loops between a
+    /// row's exit and that were filled in the passes).
+    fn settle(&self, b: &mut RowBlock, exits: &mut [usize], held: &mut [Option<Tensor>], end: usize) -> Result<()> {
+        let mut rows = Vec::with_capacity(exits.len());
+        for (r, exit) in exits.iter_mut().enumerate() {
+            rows.push(match held[r].take() {
+                Some(x) => x,
+                None => {
+                    *exit = end;
+                    b.x.narrow(0, r, 1)?
+                }
+            });
+        }
+        b.x = if rows.len() == 1 { rows.swap_remove(0) } else { Tensor::cat(&rows, 0)? };
+        let stop = exits.iter().copied().max().unwrap_or(end);
+        for lp in stop..end {
+            for (r, &exit) in exits.iter().enumerate() {
+                for j in 0..self.cfg.block_count {
+                    b.seq.cache.copy_position(self.slot(exit - 1, j), self.slot(lp, j), b.seq.pos + r)?;
+                }
+            }
+        }
+        b.loops.end = stop;
+        Ok(())
     }
 
     /// One loop `lp` over the running blocks, each with its rows' exits so far.
