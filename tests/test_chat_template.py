@@ -94,3 +94,24 @@ def test_a_refusing_or_unsafe_template_is_a_400(templated, tmp_path):
     with running_server(unsafe) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_control_tokens_the_template_writes_are_tokens(tmp_path):
+    """A template that closes turns with `eos_token` puts the end-of-text token itself in the prompt, not the
+    characters of its name, in every chat family."""
+    path = tmp_path / "eos.tinyloop"
+    source = "{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}\n{% endfor %}assistant:"
+    write_model(path, TINY, random_weights(TINY, seed=5), chat_template=source)
+    engine = tinyloop.Engine(path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    text = jinja2.Environment().from_string(source).render(messages=messages, eos_token="<|endoftext|>")
+    ids = engine.encode(text, allow_special=True)
+    assert ids.count(engine.eos_token_id) == 2 and len(ids) < len(engine.encode(text))
+    with running_server(path) as base:
+        body = {"model": "m", "messages": messages, "max_tokens": 1, "temperature": 0}
+        chat = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()
+        assert chat["usage"]["prompt_tokens"] == len(ids)
+        counted = httpx.post(f"{base}/v1/messages/count_tokens", json={"model": "m", "messages": messages[:1]})
+        assert counted.json()["input_tokens"] == len(engine.encode(text.split("\n")[0] + "\nassistant:", True))
+        resp = httpx.post(f"{base}/v1/responses", json={"model": "m", "input": messages, "max_output_tokens": 1})
+        assert resp.json()["usage"]["input_tokens"] == len(ids)

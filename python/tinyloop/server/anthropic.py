@@ -187,7 +187,7 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
-    prompts = await tokenize(state, [req.prompt(chat)])
+    prompts = await tokenize(state, [req.prompt(chat)], chat.special)
     engine, _ = state.require_engine()
     generations = [
         with_drafts(
@@ -324,4 +324,5 @@ async def messages(req: MessagesRequest, state: State):
 async def count_tokens(req: Conversation, state: State):
     """The tokens `/v1/messages` would prefill for the same request; nothing is generated."""
     req.check_conversation()
-    return {"input_tokens": len((await tokenize(state, [req.prompt(state.chat_format())]))[0])}
+    chat = state.chat_format()
+    return {"input_tokens": len((await tokenize(state, [req.prompt(chat)], chat.special))[0])}

@@ -70,7 +70,8 @@ class Window:
         r = ResponsesRequest(
             model=self.req.model, input=items, instructions=self.req.instructions, tools=self.req.tools
         )
-        return len(self.engine.encode(ChatFormat(self.engine).render(r.conversation(), r.tool_use())))
+        chat = ChatFormat(self.engine)
+        return len(self.engine.encode(chat.render(r.conversation(), r.tool_use()), allow_special=chat.special))
 
     @staticmethod
     def _back(items: list[Any], i: int) -> int:

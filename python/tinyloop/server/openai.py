@@ -32,7 +32,7 @@ async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
-    prompts = await tokenize(state, [chat.render(req.messages, req.tool_use())])
+    prompts = await tokenize(state, [chat.render(req.messages, req.tool_use())], chat.special)
     stop = req.stops(chat.stops)
     return Plan(prompts, req.generations(), req.mode_label(), stop, lstrip=True, grammar_param=req.grammar_param())
 

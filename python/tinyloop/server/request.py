@@ -41,11 +41,14 @@ class Plan:
         return choice // len(self.generations)
 
 
-async def tokenize(state: ServerState, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode)."""
+async def tokenize(state: ServerState, texts: list[str], special: bool = False) -> list[list[int]]:
+    """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode); with
+    `special`, control tokens' text is parsed as those tokens (a chat template's output, `ChatFormat.special`)."""
     engine, _ = state.require_engine()
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.tokenizer_pool, lambda: [engine.encode(t) for t in texts])
+    return await loop.run_in_executor(
+        state.tokenizer_pool, lambda: [engine.encode(t, allow_special=special) for t in texts]
+    )
 
 
 def _check_prompts(state: ServerState, plan: Plan) -> None:

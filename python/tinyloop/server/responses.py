@@ -185,7 +185,7 @@ async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
     req.with_defaults(state.generate_defaults)
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
-    prompts = await tokenize(state, [chat.render(req.conversation(), req.tool_use())])
+    prompts = await tokenize(state, [chat.render(req.conversation(), req.tool_use())], chat.special)
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "text.format"
     engine, _ = state.require_engine()

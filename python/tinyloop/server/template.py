@@ -86,6 +86,10 @@ class ChatFormat:
         eos = engine.token_bytes(engine.eos_token_id).decode("utf-8", "replace")
         # bos_token is empty: the files tinyloop reads mark no beginning-of-sequence token (add_bos_token false).
         self.file = file_template(source, "", eos) if source else None
+        # A file's template writes the model's control tokens (end-of-text between turns) as their text, and the
+        # prompt is tokenized with them parsed, as `transformers` and llama.cpp do: message text that spells a
+        # control token becomes that token too. The "Role: content" template writes none.
+        self.special = self.file is not None
 
     @property
     def stops(self) -> list[str]:
