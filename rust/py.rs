@@ -611,7 +611,7 @@ impl Engine {
     fn prompt_ids(&self, py: Python<'_>, prompt: Prompt) -> PyResult<Vec<u32>> {
         match prompt {
             Prompt::Ids(ids) => Ok(ids),
-            Prompt::Text(text) => detached(py, || self.inner.tokenizer.encode(&text, false)),
+            Prompt::Text(text) => detached(py, || self.inner.tokenizer.encode_text(&text, false, true)),
         }
     }
 
@@ -748,9 +748,28 @@ impl Engine {
         self.inner.tokenizer.eos_token_id
     }
 
-    #[pyo3(signature = (text, allow_special=false))]
-    fn encode(&self, py: Python<'_>, text: String, allow_special: bool) -> PyResult<Vec<u32>> {
-        detached(py, || self.inner.tokenizer.encode(&text, allow_special))
+    /// Every token that ends generation as end-of-sequence does (`eos_token_id` first).
+    #[getter]
+    fn end_token_ids(&self) -> Vec<u32> {
+        self.inner.tokenizer.end_ids.clone()
+    }
+
+    #[getter]
+    fn bos_token_id(&self) -> u32 {
+        self.inner.tokenizer.bos_token_id
+    }
+
+    /// Whether a prompt of plain text starts with `bos_token_id` (the file's `tokenizer.ggml.add_bos_token`).
+    #[getter]
+    fn add_bos_token(&self) -> bool {
+        self.inner.tokenizer.add_bos_token
+    }
+
+    /// Token ids of `text`; `allow_special` parses control tokens' text as those tokens, `add_special` puts the
+    /// beginning-of-sequence token first when the file's tokenizer adds it (`add_bos_token`).
+    #[pyo3(signature = (text, allow_special=false, add_special=false))]
+    fn encode(&self, py: Python<'_>, text: String, allow_special: bool, add_special: bool) -> PyResult<Vec<u32>> {
+        detached(py, || self.inner.tokenizer.encode_text(&text, allow_special, add_special))
     }
 
     /// Decode ids to text; bytes that do not form whole UTF-8 characters become U+FFFD.

@@ -1,4 +1,5 @@
-//! GPT-2 byte-level BPE built from the model file's `tokens` / `token_type` / `merges`.
+//! Byte-level BPE (GPT-2's, and the same scheme as Qwen2's and Llama 3's) built from the model file's `tokens` /
+//! `token_type` / `merges`, split before merging by the pre-tokenizer the file names.
 //!
 //! The BPE itself is tiktoken's algorithm (`tiktoken-rs`), which merges by rank. GPT-2's merge list and its ranks
 //! agree when each merge's result has a larger id than the results of all earlier merges, so the loader checks
@@ -9,12 +10,13 @@ use std::collections::{HashMap, HashSet};
 
 use rustc_hash::FxHashMap;
 use tiktoken_rs::CoreBPE;
+// `tokenizers`' own NFC (its Unicode tables, so code points a newer Unicode assigned normalize as they do there).
+use unicode_normalization_alignments::{is_nfc, UnicodeNormalization};
 
 use crate::error::{Error, Result};
 use crate::limits::MAX_CONTROL_TOKENS;
 use crate::loader::VocabData;
 
-const GPT2_PATTERN: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s";
 const TOKEN_TYPE_CONTROL: i64 = 3;
 
 pub struct Tokenizer {
@@ -24,7 +26,15 @@ pub struct Tokenizer {
     specials: Vec<String>,
     /// Ids of the control tokens, ascending.
     control_ids: Vec<u32>,
+    /// Text is NFC-normalized before it is split (Qwen2's tokenizer does: `PreTokenizer::nfc`).
+    nfc: bool,
     pub eos_token_id: u32,
+    /// Every token that ends generation as end-of-sequence does: `eos_token_id` first, then the file's others.
+    pub end_ids: Vec<u32>,
+    pub bos_token_id: u32,
+    /// Whether a prompt of plain text starts with `bos_token_id` (Llama's tokenizers add it; GPT-2's and Qwen2's
+    /// do not).
+    pub add_bos_token: bool,
 }
 
 /// GPT-2's printable-unicode spelling of bytes, inverted: char -> byte.
@@ -113,8 +123,20 @@ impl Tokenizer {
             last = id;
         }
         let specials: Vec<String> = specials_map.keys().cloned().collect();
-        let bpe = CoreBPE::new(encoder, specials_map, GPT2_PATTERN).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(Self { bpe, bytes, specials, control_ids, eos_token_id: v.eos_token_id })
+        let bpe = CoreBPE::new(encoder, specials_map, v.pre.pattern()).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut end_ids = vec![v.eos_token_id];
+        end_ids.extend(v.end_ids.iter().filter(|&&t| t != v.eos_token_id));
+        Ok(Self {
+            bpe,
+            bytes,
+            specials,
+            control_ids,
+            nfc: v.pre.nfc(),
+            eos_token_id: v.eos_token_id,
+            end_ids,
+            bos_token_id: v.bos_token_id,
+            add_bos_token: v.add_bos_token,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -130,7 +152,24 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>> {
         let allowed: HashSet<&str> =
             if allow_special { self.specials.iter().map(String::as_str).collect() } else { HashSet::new() };
+        let normalized: String;
+        let text = if self.nfc && !is_nfc(text) {
+            normalized = text.nfc().map(|(c, _)| c).collect();
+            normalized.as_str()
+        } else {
+            text
+        };
         self.bpe.encode(text, &allowed).map(|(ids, _)| ids).map_err(|e| Error::Tokenizer(e.message))
+    }
+
+    /// `encode`, with the beginning-of-sequence token first when the file says prompts start with it and
+    /// `add_special` asks for the tokens a tokenizer puts around a text.
+    pub fn encode_text(&self, text: &str, allow_special: bool, add_special: bool) -> Result<Vec<u32>> {
+        let ids = self.encode(text, allow_special)?;
+        Ok(match add_special && self.add_bos_token {
+            true => std::iter::once(self.bos_token_id).chain(ids).collect(),
+            false => ids,
+        })
     }
 
     pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
@@ -164,7 +203,7 @@ pub(crate) mod tests {
         let mut tokens: Vec<String> = by_byte.iter().map(|(_, c)| c.to_string()).collect();
         tokens.extend(controls.iter().map(|s| s.to_string()));
         let token_types = (0..tokens.len()).map(|i| if i < 256 { 1 } else { TOKEN_TYPE_CONTROL }).collect();
-        VocabData { tokens, token_types, merges: vec![], bos_token_id: 0, eos_token_id: 0 }
+        VocabData { tokens, token_types, ..VocabData::empty() }
     }
 
     fn error(controls: &[&str]) -> String {

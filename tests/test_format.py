@@ -147,3 +147,44 @@ def test_broken_vocabulary(tmp_path, contents):
     tokens[300] = tokens[301]  # two ids with the same bytes
     c.metadata["tokenizer.ggml.tokens"] = (tokens, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
     assert "tokenizer.ggml.tokens/merges: tokenizer: tokens 300 and 301 spell the same bytes" in load_error(tmp_path, c)
+
+
+def test_bad_optional_keys_of_converted_checkpoints(tmp_path, contents):
+    """The keys a converted checkpoint brings are checked like the rest: each error names its key."""
+    V = gguf.GGUFValueType
+    cases = [
+        (
+            {"tokenizer.ggml.pre": ("llama", V.STRING)},
+            'tokenizer.ggml.pre: is "llama"; supported: gpt-2, qwen2, llama-bpe',
+        ),
+        ({"tinyloop.end_token_ids": ([50256, 60000], V.ARRAY, V.UINT32)}, "tinyloop.end_token_ids: token id 60000"),
+        ({"tokenizer.ggml.add_bos_token": (1, V.UINT32)}, "tokenizer.ggml.add_bos_token: expected a bool"),
+        ({"tinyloop.rope.scaling.type": ("yarn", V.STRING)}, 'tinyloop.rope.scaling.type: is "yarn"'),
+        (
+            {"tinyloop.rope.scaling.type": ("linear", V.STRING), "tinyloop.rope.scaling.factor": (0.0, V.FLOAT32)},
+            "tinyloop.rope.scaling.factor: 0 must be finite and > 0",
+        ),
+        (
+            {
+                "tinyloop.rope.scaling.type": ("llama3", V.STRING),
+                "tinyloop.rope.scaling.factor": (8.0, V.FLOAT32),
+                "tinyloop.rope.scaling.low_freq_factor": (4.0, V.FLOAT32),
+                "tinyloop.rope.scaling.high_freq_factor": (1.0, V.FLOAT32),
+                "tinyloop.rope.scaling.original_context_length": (64, V.UINT32),
+            },
+            "tinyloop.rope.scaling.high_freq_factor: must be above low_freq_factor",
+        ),
+    ]
+    for change, message in cases:
+        c = copy(contents)
+        c.metadata.update(change)
+        assert message in load_error(tmp_path, c), message
+
+
+def test_biases_are_all_or_none(tmp_path, contents):
+    c = copy(contents)
+    c.tensors["blk.0.attn_q.bias"] = (np.zeros(64, np.float32), "F32")
+    assert "tensor blk.0.attn_k.bias: missing" in load_error(tmp_path, c)
+    c = copy(contents)
+    c.tensors["blk.1.attn_q.bias"] = (np.zeros(64, np.float32), "F32")
+    assert "tensor blk.1.attn_q.bias: not part of a tinyloop model" in load_error(tmp_path, c)

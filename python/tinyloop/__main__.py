@@ -90,6 +90,20 @@ def _export_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .modelfile.convert import convert
+
+    try:
+        cfg = convert(Path(args.input), Path(args.output), args.outtype, args.loops, progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as e:  # ConvertError, TokenizerError, a missing file: the message says
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}: {cfg.block_count} layers, d = {cfg.dim}, {cfg.vocab_size} tokens, {args.outtype}")
+    return 0
+
+
 def _draft_vocab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -156,6 +170,14 @@ def _file_commands(sub) -> None:
     p.add_argument("--loops", type=int, default=None, help="depth to unroll (default: the model's default loops)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_export_llama)
+
+    p = sub.add_parser("convert", help="write a Hugging Face checkpoint (Llama, Qwen2) as a .tinyloop file")
+    p.add_argument("input", help="the checkpoint's directory (config.json, *.safetensors, tokenizer.json ...)")
+    p.add_argument("output", help="the .tinyloop file to write")
+    p.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0", "q4_0"], help="weight type (f16)")
+    p.add_argument("--loops", type=int, default=1, help="the file's default loops (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_convert)
 
     p = sub.add_parser("draft-vocab", help="list a corpus's most frequent tokens in the model, for cheaper drafts")
     p.add_argument("input", help="a .tinyloop file")

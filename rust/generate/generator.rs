@@ -72,7 +72,7 @@ impl Generator {
         if needed > engine.max_seq_len {
             return Err(Error::ContextLength { needed, limit: engine.max_seq_len });
         }
-        let sampler = Sampler::new(params, &prompt, engine.config().vocab_size, engine.tokenizer.eos_token_id)
+        let sampler = Sampler::new(params, &prompt, engine.config().vocab_size, &engine.tokenizer.end_ids)
             .constrained(constraint);
         // `needed` leaves one spare position (the last output token is never fed back); tree verification may
         // stage up to MAX_TREE_ROWS candidate rows beyond the path before compacting them.

@@ -3,6 +3,7 @@
 //! allocated for a length or count the file declares before that length is known to fit in the file.
 
 mod gguf;
+mod pretokenizer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -13,8 +14,9 @@ use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::{Error, Result};
 use crate::limits::{MAX_CONTEXT, MAX_DIM, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS, MAX_LOOPS, MAX_TENSORS};
-use crate::model::Config;
+use crate::model::{Config, RopeScaling};
 use gguf::{Gguf, Source, Value};
+pub use pretokenizer::PreTokenizer;
 
 pub const ARCH: &str = "tinyloop";
 
@@ -24,8 +26,28 @@ pub struct VocabData {
     pub tokens: Vec<String>,
     pub token_types: Vec<i64>,
     pub merges: Vec<String>,
+    pub pre: PreTokenizer,
     pub bos_token_id: u32,
     pub eos_token_id: u32,
+    /// `tinyloop.end_token_ids`: further tokens that end generation as end-of-sequence does.
+    pub end_ids: Vec<u32>,
+    pub add_bos_token: bool,
+}
+
+impl VocabData {
+    /// No tokens, GPT-2's pre-tokenizer, ids 0.
+    pub fn empty() -> Self {
+        Self {
+            tokens: Vec::new(),
+            token_types: Vec::new(),
+            merges: Vec::new(),
+            pre: PreTokenizer::Gpt2,
+            bos_token_id: 0,
+            eos_token_id: 0,
+            end_ids: Vec::new(),
+            add_bos_token: false,
+        }
+    }
 }
 
 pub struct ModelFile {
@@ -102,6 +124,29 @@ impl Reader<'_> {
         }
     }
 
+    /// A non-empty list of distinct token ids, each inside the vocabulary.
+    fn token_ids(&self, key: &str, vocab_size: usize) -> Result<Vec<u32>> {
+        // Distinct ids below the vocabulary size are at most that many: refuse a longer list before decoding it.
+        let n = self.array_len(key)?;
+        if n > vocab_size {
+            return Err(self.err(key, format!("{n} ids for a {vocab_size}-token vocabulary")));
+        }
+        let ids = self.ints(key)?;
+        let mut seen = std::collections::HashSet::new();
+        for &t in &ids {
+            if t < 0 || t as usize >= vocab_size {
+                return Err(self.err(key, format!("token id {t} is outside the {vocab_size}-token vocabulary")));
+            }
+            if !seen.insert(t) {
+                return Err(self.err(key, format!("token id {t} is listed twice")));
+            }
+        }
+        if ids.is_empty() {
+            return Err(self.err(key, "the list is empty"));
+        }
+        Ok(ids.into_iter().map(|t| t as u32).collect())
+    }
+
     fn ints(&self, key: &str) -> Result<Vec<i64>> {
         match self.get(key)? {
             Value::Ints(a) => {
@@ -170,7 +215,41 @@ fn read_config(r: &Reader) -> Result<Config> {
         max_trained_loops: r.usize_in(&k("loops.max_trained"), 1, MAX_LOOPS as u64)?,
         vocab_size: 0, // set from the tokenizer below
         file_type: r.uint("general.file_type")? as u32,
+        attn_bias: false, // set from the tensors below
+        rope_scaling: read_rope_scaling(r)?,
     })
+}
+
+/// `tinyloop.rope.scaling.type` and its parameters, if the file has them.
+fn read_rope_scaling(r: &Reader) -> Result<Option<RopeScaling>> {
+    let key = |s: &str| format!("{ARCH}.rope.scaling.{s}");
+    let ty = key("type");
+    if !r.metadata.contains_key(&ty) {
+        return Ok(None);
+    }
+    let positive = |name: &str| -> Result<f64> {
+        let v = r.float(&key(name))?;
+        match v > 0.0 && v.is_finite() {
+            true => Ok(v),
+            false => Err(r.err(key(name), format!("{v} must be finite and > 0"))),
+        }
+    };
+    match r.string(&ty)? {
+        "linear" => Ok(Some(RopeScaling::Linear { factor: positive("factor")? })),
+        "llama3" => {
+            let (low_freq_factor, high_freq_factor) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+            if high_freq_factor <= low_freq_factor {
+                return Err(r.err(key("high_freq_factor"), "must be above low_freq_factor"));
+            }
+            Ok(Some(RopeScaling::Llama3 {
+                factor: positive("factor")?,
+                low_freq_factor,
+                high_freq_factor,
+                original_context: positive("original_context_length")?,
+            }))
+        }
+        other => Err(r.err(ty, format!("is {other:?}; supported: linear, llama3"))),
+    }
 }
 
 fn read_vocab(r: &mut Reader) -> Result<VocabData> {
@@ -178,10 +257,11 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
     if model != "gpt2" {
         return Err(r.err("tokenizer.ggml.model", format!("is {model:?}; only \"gpt2\" byte-level BPE is supported")));
     }
-    let pre = r.string("tokenizer.ggml.pre")?;
-    if pre != "gpt-2" {
-        return Err(r.err("tokenizer.ggml.pre", format!("is {pre:?}; only \"gpt-2\" is supported")));
-    }
+    let name = r.string("tokenizer.ggml.pre")?;
+    let pre = PreTokenizer::from_name(name).ok_or_else(|| {
+        let known: Vec<&str> = PreTokenizer::NAMES.iter().map(|(n, _)| *n).collect();
+        r.err("tokenizer.ggml.pre", format!("is {name:?}; supported: {}", known.join(", ")))
+    })?;
     let tokens = r.take_strings("tokenizer.ggml.tokens")?;
     let n_types = r.array_len("tokenizer.ggml.token_type")?;
     if n_types != tokens.len() {
@@ -197,42 +277,39 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
         }
         Ok(v as u32)
     };
+    let end_ids = match r.metadata.contains_key(END_IDS) {
+        true => r.token_ids(END_IDS, tokens.len())?,
+        false => Vec::new(),
+    };
+    let add_bos_token = match r.metadata.get(ADD_BOS) {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(r.err(ADD_BOS, "expected a bool")),
+    };
     Ok(VocabData {
         bos_token_id: id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: id("tokenizer.ggml.eos_token_id")?,
         tokens,
         token_types,
         merges,
+        pre,
+        end_ids,
+        add_bos_token,
     })
 }
+
+const END_IDS: &str = "tinyloop.end_token_ids";
+const ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
 const CHAT_TEMPLATE: &str = "tokenizer.chat_template";
 
 fn read_draft_ids(r: &Reader, vocab_size: usize) -> Result<Option<Vec<u32>>> {
     const KEY: &str = "tinyloop.draft.token_ids";
-    if !r.metadata.contains_key(KEY) {
-        return Ok(None);
+    match r.metadata.contains_key(KEY) {
+        true => Ok(Some(r.token_ids(KEY, vocab_size)?)),
+        false => Ok(None),
     }
-    // Distinct ids below the vocabulary size are at most that many: refuse a longer list before decoding it.
-    let n = r.array_len(KEY)?;
-    if n > vocab_size {
-        return Err(r.err(KEY, format!("{n} ids for a {vocab_size}-token vocabulary")));
-    }
-    let ids = r.ints(KEY)?;
-    let mut seen = std::collections::HashSet::new();
-    for &t in &ids {
-        if t < 0 || t as usize >= vocab_size {
-            return Err(r.err(KEY, format!("token id {t} is outside the {vocab_size}-token vocabulary")));
-        }
-        if !seen.insert(t) {
-            return Err(r.err(KEY, format!("token id {t} is listed twice")));
-        }
-    }
-    if ids.is_empty() {
-        return Err(r.err(KEY, "the list is empty"));
-    }
-    Ok(Some(ids.into_iter().map(|t| t as u32).collect()))
 }
 
 /// Every tensor the config implies, with candle's (row-major, outermost first) shape.
@@ -259,6 +336,11 @@ pub fn expected_tensors(cfg: &Config, tied_head: bool) -> BTreeMap<String, Vec<u
         for i in 0..count {
             for (part, shape) in &layer {
                 out.insert(format!("{prefix}.{i}.{part}.weight"), shape.clone());
+            }
+            if cfg.attn_bias {
+                for (part, rows) in [("attn_q", d), ("attn_k", kv), ("attn_v", kv)] {
+                    out.insert(format!("{prefix}.{i}.{part}.bias"), vec![rows]);
+                }
             }
         }
     }
@@ -304,6 +386,7 @@ fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
     config.vocab_size = vocab.tokens.len();
 
     let tied = !infos.contains_key("output.weight");
+    config.attn_bias = infos.contains_key("blk.0.attn_q.bias");
     let expected = expected_tensors(&config, tied);
     if let Some(extra) = infos.keys().filter(|n| !expected.contains_key(*n)).min() {
         return Err(r.err(format!("tensor {extra}"), "not part of a tinyloop model with this config"));
@@ -403,6 +486,8 @@ mod tests {
             max_trained_loops: 1,
             vocab_size: 1,
             file_type: 0,
+            attn_bias: false,
+            rope_scaling: None,
         }
     }
 

@@ -19,4 +19,38 @@ pub struct Config {
     pub max_trained_loops: usize,
     pub vocab_size: usize,
     pub file_type: u32,
+    /// Q, K and V projections carry biases (`blk.N.attn_q.bias` …: Qwen2's layers).
+    pub attn_bias: bool,
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+/// How RoPE's frequencies are stretched for contexts longer than the model was first trained on
+/// (`tinyloop.rope.scaling.*`, from a converted checkpoint's `rope_scaling`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// Llama 3.1's: wavelengths longer than `original / low_freq_factor` divided by `factor`, shorter than
+    /// `original / high_freq_factor` kept, the ones between blended smoothly.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_context: f64 },
+}
+
+impl RopeScaling {
+    /// The scaled inverse frequency of one unscaled `inv_freq`.
+    pub fn apply(self, inv_freq: f64) -> f64 {
+        match self {
+            Self::Linear { factor } => inv_freq / factor,
+            Self::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelen < original_context / high_freq_factor {
+                    inv_freq
+                } else if wavelen > original_context / low_freq_factor {
+                    inv_freq / factor
+                } else {
+                    let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+                }
+            }
+        }
+    }
 }

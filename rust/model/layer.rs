@@ -23,6 +23,8 @@ pub(super) struct Layer {
     wq: Linear,
     wk: Linear,
     wv: Linear,
+    /// Q, K and V biases, when the file has them (Qwen2's layers).
+    bias: Option<[Vec<f32>; 3]>,
     wo: Linear,
     ffn_norm: Vec<f32>,
     gate: Linear,
@@ -43,8 +45,17 @@ pub(super) fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result
 }
 
 impl Layer {
-    pub(super) fn load(t: &mut HashMap<String, QTensor>, p: &str) -> Result<Self> {
+    pub(super) fn load(t: &mut HashMap<String, QTensor>, p: &str, cfg: &Config) -> Result<Self> {
+        let bias = match cfg.attn_bias {
+            true => Some([
+                norm(t, &format!("{p}.attn_q.bias"))?.to_vec1()?,
+                norm(t, &format!("{p}.attn_k.bias"))?.to_vec1()?,
+                norm(t, &format!("{p}.attn_v.bias"))?.to_vec1()?,
+            ]),
+            false => None,
+        };
         Ok(Self {
+            bias,
             attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?.to_vec1()?,
             wq: matmul(t, &format!("{p}.attn_q.weight"))?,
             wk: matmul(t, &format!("{p}.attn_k.weight"))?,
@@ -101,7 +112,12 @@ impl Layer {
     ) -> Result<Vec<f32>> {
         let mut q = product(&self.wq, h, n)?; // (n, nh*hd)
         let mut k = product(&self.wk, h, n)?; // (n, nkv*hd)
-        let v = product(&self.wv, h, n)?; // (n, nkv*hd)
+        let mut v = product(&self.wv, h, n)?; // (n, nkv*hd)
+        if let Some([bq, bk, bv]) = &self.bias {
+            for (x, b) in [(&mut q, bq), (&mut k, bk), (&mut v, bv)] {
+                x.chunks_exact_mut(b.len()).for_each(|row| add_assign(row, b));
+            }
+        }
         profile::time(Stage::Attention, || attend(cfg, rope, (&mut q, &mut k, &v), seqs, slot))
     }
 }

@@ -23,7 +23,7 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-pub use config::Config;
+pub use config::{Config, RopeScaling};
 pub use depth::AutoDepth;
 use draft_head::DraftHead;
 use layer::{norm, take, Layer};
@@ -88,10 +88,12 @@ impl Model {
             .filter(|(name, _)| name.starts_with("pre.") || name.starts_with("blk."))
             .map(|(_, t)| t.storage_size_in_bytes())
             .sum();
-        let prelude: Vec<Layer> =
-            (0..cfg.prelude_count).map(|i| Layer::load(&mut tensors, &format!("pre.{i}"))).collect::<Result<_>>()?;
-        let block =
-            (0..cfg.block_count).map(|i| Layer::load(&mut tensors, &format!("blk.{i}"))).collect::<Result<_>>()?;
+        let prelude: Vec<Layer> = (0..cfg.prelude_count)
+            .map(|i| Layer::load(&mut tensors, &format!("pre.{i}"), &cfg))
+            .collect::<Result<_>>()?;
+        let block = (0..cfg.block_count)
+            .map(|i| Layer::load(&mut tensors, &format!("blk.{i}"), &cfg))
+            .collect::<Result<_>>()?;
         let rope = Rope::new(&cfg);
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
         let use_draft_head = draft_head.is_some();

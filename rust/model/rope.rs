@@ -19,7 +19,10 @@ pub(super) struct Rope {
 impl Rope {
     pub(super) fn new(cfg: &Config) -> Self {
         let half = cfg.head_dim / 2;
-        let inv_freq = (0..half).map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64)).collect();
+        let inv_freq = (0..half)
+            .map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
+            .map(|f| cfg.rope_scaling.map_or(f, |s| s.apply(f)))
+            .collect();
         Self { head_dim: cfg.head_dim, inv_freq, table: Default::default() }
     }
 

@@ -114,7 +114,8 @@ pub struct Sampler {
     /// How often each token was generated (for presence/frequency).
     counts: HashMap<u32, u32>,
     generated: usize,
-    eos: u32,
+    /// The tokens that end the sequence as end-of-sequence does (the model file's: `Tokenizer::end_ids`).
+    eos: Vec<u32>,
     scratch: Scratch,
     constraint: Option<Constraint>,
     /// The last row `process` saw, scored, until its token is accepted (only with `params.logprobs`).
@@ -124,7 +125,7 @@ pub struct Sampler {
 
 impl Sampler {
     /// A sampler for `params` (validated where they entered: `Generator::new`).
-    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: u32) -> Self {
+    pub fn new(params: SamplingParams, prompt: &[u32], vocab: usize, eos: &[u32]) -> Self {
         debug_assert!(params.validate().is_ok(), "sampling parameters are validated on entry");
         let rng = match params.seed {
             Some(s) => ChaCha8Rng::seed_from_u64(s),
@@ -137,7 +138,7 @@ impl Sampler {
             seen_ids: Vec::new(),
             counts: HashMap::new(),
             generated: 0,
-            eos,
+            eos: eos.to_vec(),
             scratch: Scratch::default(),
             constraint: None,
             scored: None,
@@ -217,7 +218,7 @@ impl Sampler {
 
     /// True if `token` ends the sequence (EOS unless ignored, or a stop id).
     pub fn is_stop(&self, token: u32) -> bool {
-        (token == self.eos && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token)
+        (self.eos.contains(&token) && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token)
     }
 
     /// Steps 1–3 of the module doc, in place; `score`: keep the row's log-probabilities for `accept` (a draft's
@@ -248,7 +249,7 @@ impl Sampler {
             }
         };
         if early || p.ignore_eos {
-            mask(self.eos);
+            self.eos.iter().for_each(|&t| mask(t));
         }
         if early {
             p.stop_token_ids.iter().for_each(|&t| mask(t));

@@ -45,14 +45,14 @@ fn top_p_keeps_the_smallest_set_reaching_p() {
 
 #[test]
 fn temperature_zero_is_argmax_with_lowest_id_on_ties() {
-    let mut s = Sampler::new(params(|p| p.temperature = 0.0), &[], 5, 4);
+    let mut s = Sampler::new(params(|p| p.temperature = 0.0), &[], 5, &[4]);
     assert_eq!(s.sample(&mut [0.0, 3.0, 1.0, 3.0, -1.0]), 1);
 }
 
 #[test]
 fn a_vanishing_temperature_draws_among_the_maxima() {
     // 1/T overflows f32 at a subnormal T: the draw is still among the tied maxima, never a NaN-weighted pick.
-    let mut s = Sampler::new(params(|p| p.temperature = 1e-40), &[], 6, 5);
+    let mut s = Sampler::new(params(|p| p.temperature = 1e-40), &[], 6, &[5]);
     let draws: Vec<u32> = (0..200).map(|_| s.sample(&mut [0.0, 3.0, 1.0, 3.0, -1.0, 2.9])).collect();
     assert!(draws.iter().all(|&t| t == 1 || t == 3), "{draws:?}");
     assert!(draws.contains(&1) && draws.contains(&3));
@@ -77,7 +77,7 @@ fn argmax_takes_the_first_of_equal_maxima_across_lanes_and_tail_and_skips_nan() 
 fn seed_reproduces_and_seeds_differ() {
     let logits = vec![0.0f32; 1000];
     let draw = |seed: u64| {
-        let mut s = Sampler::new(params(|p| p.seed = Some(seed)), &[], 1000, 999);
+        let mut s = Sampler::new(params(|p| p.seed = Some(seed)), &[], 1000, &[999]);
         (0..50).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
     };
     assert_eq!(draw(7), draw(7));
@@ -91,7 +91,7 @@ fn penalties_follow_the_formulas_exactly() {
         p.presence_penalty = 0.5;
         p.frequency_penalty = 0.25;
     });
-    let mut s = Sampler::new(p, &[0, 1], 6, 5);
+    let mut s = Sampler::new(p, &[0, 1], 6, &[5]);
     s.accept(2);
     s.accept(2);
     s.accept(3);
@@ -111,7 +111,7 @@ fn min_tokens_and_ignore_eos_mask_stops() {
         }),
         &[],
         4,
-        3,
+        &[3],
     );
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l, true);
@@ -122,7 +122,7 @@ fn min_tokens_and_ignore_eos_mask_stops() {
     assert_eq!(l, vec![0.0, 0.0, 9.0, 9.0]);
     assert!(s.is_stop(2) && s.is_stop(3) && !s.is_stop(1));
 
-    let mut s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, 3);
+    let mut s = Sampler::new(params(|p| p.ignore_eos = true), &[], 4, &[3]);
     let mut l = vec![0.0, 0.0, 9.0, 9.0];
     s.process(&mut l, true);
     assert_eq!(l[3], f32::NEG_INFINITY);
@@ -131,7 +131,7 @@ fn min_tokens_and_ignore_eos_mask_stops() {
 
 #[test]
 fn top_k_draws_only_the_k_best() {
-    let mut s = Sampler::new(params(|p| p.top_k = 2), &[], 5, 4);
+    let mut s = Sampler::new(params(|p| p.top_k = 2), &[], 5, &[4]);
     for _ in 0..500 {
         let t = s.sample(&mut [1.0, 5.0, 2.0, 4.9, 0.0]);
         assert!(t == 1 || t == 3, "drew {t}");
@@ -148,7 +148,7 @@ fn chi_square(logits: &[f32], t: f32, top_p: f32, draws: usize) -> f64 {
         }),
         &[],
         logits.len(),
-        logits.len() as u32 + 1,
+        &[logits.len() as u32 + 1],
     );
     let mut counts = vec![0usize; logits.len()];
     for _ in 0..draws {
@@ -189,7 +189,7 @@ fn rejection_top_p_draws_the_nucleus_distribution() {
             }),
             &[],
             logits.len(),
-            99,
+            &[99],
         );
         let draws = 40_000;
         let mut counts = vec![0f64; logits.len()];
@@ -211,7 +211,7 @@ fn rejection_top_p_draws_the_nucleus_distribution() {
 fn chi_square_detects_a_wrong_temperature() {
     // The statistic has power: draws at T = 0.7 judged against T = 1.0 fail clearly.
     let logits = vec![1.0f32, 2.0, 0.5, -1.0, 1.5, 0.0];
-    let mut s = Sampler::new(params(|p| p.temperature = 0.7), &[], 6, 7);
+    let mut s = Sampler::new(params(|p| p.temperature = 0.7), &[], 6, &[7]);
     let mut counts = [0f64; 6];
     for _ in 0..60_000 {
         counts[s.sample(&mut logits.clone()) as usize] += 1.0;

@@ -2,8 +2,9 @@
 H = 2 XᵀX over the inputs X of every linear layer.
 
 x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_norm; head. A layer (pre-norm, llama
-style): x += Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)); x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)). RoPE rotates
-adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim); query head h reads K/V head h // (H / H_kv); attention is causal.
+style): x += Wo·attn(rope(Wq·n(x) + bq), rope(Wk·n(x) + bk), Wv·n(x) + bv) (biases where the file has them);
+x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)). RoPE rotates adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim), scaled as
+the file says; query head h reads K/V head h // (H / H_kv); attention is causal.
 
 The block's weights are shared by every loop, so their Hessians sum the inputs of all `loops` applications. Inputs
 shared by several matrices give them one Hessian (the same array): q/k/v read attn_norm's output, gate/up read
@@ -13,7 +14,8 @@ ffn_norm's output. The head reads the final-normed hidden states at depth `loops
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,10 +28,25 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, theta: float) -> np.ndarray:
-    """x (B, heads, T, hd): rotate each adjacent pair of the head dimension by position · θ^(-2i/hd)."""
-    T, hd = x.shape[-2], x.shape[-1]
-    ang = np.arange(T)[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]  # (T, hd/2)
+def inv_freq(theta: float, hd: int, scaling: Mapping[str, Any] | None) -> np.ndarray:
+    """RoPE's θ^(-2i/hd), stretched as a file's `rope_scaling` says (the engine's `RopeScaling`)."""
+    f = theta ** (-np.arange(0, hd, 2) / hd)
+    s = scaling or {}
+    if s.get("type") == "linear":
+        return f / s["factor"]
+    if s.get("type") == "llama3":
+        wavelen, original = 2 * np.pi / f, s["original_context_length"]
+        low, high = original / s["low_freq_factor"], original / s["high_freq_factor"]
+        smooth = (original / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        blended = (1 - smooth) * f / s["factor"] + smooth * f
+        return np.where(wavelen < high, f, np.where(wavelen > low, f / s["factor"], blended))
+    return f
+
+
+def rope(x: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    """x (B, heads, T, hd): rotate each adjacent pair i of the head dimension by position · freqs[i]."""
+    T = x.shape[-2]
+    ang = np.arange(T)[:, None] * freqs[None, :]  # (T, hd/2)
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
@@ -61,9 +78,11 @@ def _layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, hs
     h = rms_norm(x, w[f"{p}.attn_norm.weight"], cfg.rms_eps)
     if hs is not None:
         hs.add([f"{p}.attn_q.weight", f"{p}.attn_k.weight", f"{p}.attn_v.weight"], h)
-    q = rope(heads(h @ w[f"{p}.attn_q.weight"].T, H), cfg.rope_theta)
-    k = np.repeat(rope(heads(h @ w[f"{p}.attn_k.weight"].T, KV), cfg.rope_theta), H // KV, axis=1)
-    v = np.repeat(heads(h @ w[f"{p}.attn_v.weight"].T, KV), H // KV, axis=1)
+    q, k, v = (h @ w[f"{p}.attn_{n}.weight"].T + w.get(f"{p}.attn_{n}.bias", 0) for n in "qkv")
+    freqs = inv_freq(cfg.rope_theta, hd, cfg.rope_scaling)
+    q = rope(heads(q, H), freqs)
+    k = np.repeat(rope(heads(k, KV), freqs), H // KV, axis=1)
+    v = np.repeat(heads(v, KV), H // KV, axis=1)
     s = (q @ k.transpose(0, 1, 3, 2)) / np.float32(np.sqrt(hd))  # (B, H, T, T)
     s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
     s = np.exp(s - s.max(axis=-1, keepdims=True))

@@ -2,9 +2,10 @@
 
 A looped model at depth L is, token for token, a plain transformer with `prelude + k·L` layers in which layer
 `prelude + l·k + j` is block layer j (docs/architecture.md). llama.cpp's "llama" architecture is that transformer
-(RMSNorm pre-norm, SwiGLU, adjacent-pair "norm" RoPE, GQA, tied head when `output.weight` is absent), so the
-export copies every tensor's bytes unchanged — same types, no requantization — and repeats the block's tensors for
-each loop. The tokenizer keys are copied as they are.
+(RMSNorm pre-norm, SwiGLU, adjacent-pair "norm" RoPE, GQA, optional Q/K/V biases, tied head when `output.weight` is
+absent), so the export copies every tensor's bytes unchanged — same types, no requantization — and repeats the
+block's tensors for each loop. The tokenizer keys are copied as they are; RoPE scaling becomes llama.cpp's (linear:
+`rope.scaling.*` keys; Llama 3's: the `rope_freqs.weight` factors).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def _write_keys(w: gguf.GGUFWriter, fields: dict, loops: int, n_layers: int) -> 
     heads = int(_value(fields["tinyloop.attention.head_count"]))
     w.add_block_count(n_layers)
     w.add_rope_dimension_count(int(_value(fields["tinyloop.embedding_length"])) // heads)
+    scaling = {n.rsplit(".", 1)[1]: _value(f) for n, f in fields.items() if n.startswith("tinyloop.rope.scaling.")}
+    if scaling.get("type") == "linear":  # Llama 3's scaling travels as rope_freqs.weight (`_rope_factors`)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
     for name, field in fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
@@ -108,6 +113,9 @@ def export_llama(
     _write_keys(w, fields, loops, n_layers)
     tensors = {t.name: t for t in reader.tensors}
     plan = _tensor_plan(tensors, prelude, k, loops)
+    factors = _rope_factors(fields)
+    if factors is not None:
+        w.add_tensor("rope_freqs.weight", factors)
     for out_name, in_name in plan:
         t = tensors[in_name]
         # Quantized tensors come as (rows, bytes per row) uint8 and are written back as the same blocks.
@@ -122,6 +130,19 @@ def export_llama(
             file=sys.stderr,
         )
     return n_layers
+
+
+def _rope_factors(fields: dict) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs.weight` for Llama 3 RoPE scaling: per frequency, unscaled ÷ scaled (llama.cpp
+    divides each frequency by it)."""
+    from .calibrate import inv_freq
+
+    scaling = {n.rsplit(".", 1)[1]: _value(f) for n, f in fields.items() if n.startswith("tinyloop.rope.scaling.")}
+    if scaling.get("type") != "llama3":
+        return None
+    theta = float(_value(fields["tinyloop.rope.freq_base"]))
+    hd = int(_value(fields["tinyloop.embedding_length"])) // int(_value(fields["tinyloop.attention.head_count"]))
+    return (inv_freq(theta, hd, None) / inv_freq(theta, hd, scaling)).astype(np.float32)
 
 
 def _layer_names(tensors: dict, prefix: str) -> list[str]:

@@ -51,6 +51,10 @@ class ModelConfig:
     vocab_size: int = 50257
     tied_head: bool = True  # False adds output.weight
     name: str = "tinyloop"
+    attn_bias: bool = False  # True adds blk.N.attn_{q,k,v}.bias (Qwen2's layers)
+    # RoPE scaling, as tinyloop.rope.scaling.* keys without the prefix: {"type": "linear", "factor": 4.0} or
+    # {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_context_length"}
+    rope_scaling: Mapping[str, str | float | int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -76,6 +80,9 @@ class ModelConfig:
             for i in range(count):
                 for part, shape in layer.items():
                     shapes[f"{prefix}.{i}.{part}.weight"] = shape
+                if self.attn_bias:
+                    for part in ("attn_q", "attn_k", "attn_v"):
+                        shapes[f"{prefix}.{i}.{part}.bias"] = (layer[part][0],)
         shapes["output_norm.weight"] = (self.dim,)
         if not self.tied_head:
             shapes["output.weight"] = (self.vocab_size, self.dim)
@@ -141,18 +148,23 @@ def model_contents(
     }
     for key, value in _metadata(cfg):
         meta[f"{ARCH}.{key}"] = (value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
+    for key, value in (cfg.rope_scaling or {}).items():
+        vtype = V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int) else V.FLOAT32
+        meta[f"{ARCH}.rope.scaling.{key}"] = (value, vtype)
     meta.update(
         {
             "tokenizer.ggml.model": ("gpt2", V.STRING),
-            "tokenizer.ggml.pre": ("gpt-2", V.STRING),
+            "tokenizer.ggml.pre": (vocab.pre, V.STRING),
             "tokenizer.ggml.tokens": (vocab.tokens, V.ARRAY, V.STRING),
             "tokenizer.ggml.token_type": (vocab.token_types, V.ARRAY, V.INT32),
             "tokenizer.ggml.merges": (vocab.merges, V.ARRAY, V.STRING),
             "tokenizer.ggml.bos_token_id": (vocab.bos_token_id, V.UINT32),
             "tokenizer.ggml.eos_token_id": (vocab.eos_token_id, V.UINT32),
-            "tokenizer.ggml.add_bos_token": (False, V.BOOL),
+            "tokenizer.ggml.add_bos_token": (vocab.add_bos_token, V.BOOL),
         }
     )
+    if vocab.end_token_ids:
+        meta[f"{ARCH}.end_token_ids"] = (list(vocab.end_token_ids), V.ARRAY, V.UINT32)
     if chat_template is not None:
         meta["tokenizer.chat_template"] = (chat_template, V.STRING)
     tensors = {}
@@ -338,9 +350,12 @@ def model_config(contents: GGUFContents) -> ModelConfig:
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("metadata key tokenizer.ggml.tokens is missing")
     name = meta.get("general.name", (ModelConfig.name,))[0]
+    scaling = {k.removeprefix(f"{ARCH}.rope.scaling."): v[0] for k, v in meta.items() if ".rope.scaling." in k}
     return ModelConfig(
         **values,
         vocab_size=len(meta["tokenizer.ggml.tokens"][0]),
         tied_head="output.weight" not in contents.tensors,
         name=name,
+        attn_bias="blk.0.attn_q.bias" in contents.tensors,
+        rope_scaling=scaling or None,
     )

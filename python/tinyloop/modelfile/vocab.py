@@ -31,6 +31,9 @@ class Vocabulary:
     merges: list[str]  # "left right", in priority order
     eos_token_id: int
     bos_token_id: int
+    pre: str = "gpt-2"  # the pre-tokenizer's name (tokenizer.ggml.pre): gpt-2, qwen2 or llama-bpe
+    add_bos_token: bool = False  # plain-text prompts start with bos_token_id
+    end_token_ids: tuple[int, ...] = ()  # further tokens that end generation as eos does
 
     def __len__(self) -> int:
         return len(self.tokens)

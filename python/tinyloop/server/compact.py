@@ -71,7 +71,8 @@ class Window:
             model=self.req.model, input=items, instructions=self.req.instructions, tools=self.req.tools
         )
         chat = ChatFormat(self.engine)
-        return len(self.engine.encode(chat.render(r.conversation(), r.tool_use()), allow_special=chat.special))
+        text = chat.render(r.conversation(), r.tool_use())
+        return len(self.engine.encode(text, allow_special=chat.special, add_special=not chat.special))
 
     @staticmethod
     def _back(items: list[Any], i: int) -> int:

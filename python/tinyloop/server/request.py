@@ -42,12 +42,15 @@ class Plan:
 
 
 async def tokenize(state: ServerState, texts: list[str], special: bool = False) -> list[list[int]]:
-    """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode); with
-    `special`, control tokens' text is parsed as those tokens (a chat template's output, `ChatFormat.special`)."""
+    """Token ids of each text, computed off the event loop (a long prompt takes milliseconds to encode). Plain text
+    starts with the model's beginning-of-sequence token when its tokenizer adds one; with `special` (a chat
+    template's output, `ChatFormat.special`) control tokens' text is parsed as those tokens and the template has
+    written any beginning-of-sequence token itself."""
     engine, _ = state.require_engine()
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(
-        state.tokenizer_pool, lambda: [engine.encode(t, allow_special=special) for t in texts]
+        state.tokenizer_pool,
+        lambda: [engine.encode(t, allow_special=special, add_special=not special) for t in texts],
     )
 
 

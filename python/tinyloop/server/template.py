@@ -84,8 +84,10 @@ class ChatFormat:
     def __init__(self, engine) -> None:
         source = engine.chat_template
         eos = engine.token_bytes(engine.eos_token_id).decode("utf-8", "replace")
-        # bos_token is empty: the files tinyloop reads mark no beginning-of-sequence token (add_bos_token false).
-        self.file = file_template(source, "", eos) if source else None
+        # bos_token is the text of the beginning-of-sequence token where the tokenizer adds one (a template writes
+        # it first, as Llama's do), else empty: GPT-2's and Qwen2's prompts have none.
+        bos = engine.token_bytes(engine.bos_token_id).decode("utf-8", "replace") if engine.add_bos_token else ""
+        self.file = file_template(source, bos, eos) if source else None
         # A file's template writes the model's control tokens (end-of-text between turns) as their text, and the
         # prompt is tokenized with them parsed, as `transformers` and llama.cpp do: message text that spells a
         # control token becomes that token too. The "Role: content" template writes none.

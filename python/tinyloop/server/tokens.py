@@ -1,9 +1,9 @@
 """`POST /tokenize` and `POST /detokenize` in llama.cpp's server's shapes: text to the model's token ids (each with
 its piece, on request) and ids back to text.
 
-`add_special` adds the special tokens the model's tokenizer puts before a text; GPT-2's byte-level BPE, the only
-tokenizer tinyloop's models carry, puts none, so the ids are the same either way. `parse_special` (default true, as
-in llama.cpp) reads `<|endoftext|>` in the text as the end-of-text token; false encodes it as plain text.
+`add_special` adds the special tokens the model's tokenizer puts before a text: the beginning-of-sequence token for
+a file whose tokenizer adds it (`add_bos_token`, Llama's), none for GPT-2's or Qwen2's. `parse_special` (default
+true, as in llama.cpp) reads control tokens' text (`<|endoftext|>`) as those tokens; false encodes it as plain text.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ async def tokenize(req: TokenizeRequest, state: State):
     engine, _ = state.require_engine()
     loop = asyncio.get_running_loop()
     ids = await loop.run_in_executor(
-        state.tokenizer_pool, lambda: engine.encode(req.content, allow_special=req.parse_special)
+        state.tokenizer_pool,
+        lambda: engine.encode(req.content, allow_special=req.parse_special, add_special=req.add_special),
     )
     if not req.with_pieces:
         return {"tokens": ids}
