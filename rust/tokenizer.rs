@@ -28,6 +28,11 @@ pub struct Tokenizer {
     control_ids: Vec<u32>,
     /// Text is NFC-normalized before it is split (Qwen2's tokenizer does: `PreTokenizer::nfc`).
     nfc: bool,
+    /// SmolLM's pre-tokenizer: each digit is a piece of its own before the regex (`PreTokenizer::split_digits`);
+    /// then control tokens are found here (`specials_re`, longest first) rather than by tiktoken.
+    split_digits: bool,
+    specials_re: Option<regex::Regex>,
+    special_ids: FxHashMap<String, u32>,
     pub eos_token_id: u32,
     /// Every token that ends generation as end-of-sequence does: `eos_token_id` first, then the file's others.
     pub end_ids: Vec<u32>,
@@ -122,7 +127,14 @@ impl Tokenizer {
             }
             last = id;
         }
-        let specials: Vec<String> = specials_map.keys().cloned().collect();
+        let mut specials: Vec<String> = specials_map.keys().cloned().collect();
+        specials.sort_by_key(|t| std::cmp::Reverse(t.len()));
+        let alternatives: Vec<String> = specials.iter().map(|t| regex::escape(t)).collect();
+        let specials_re = match specials.is_empty() {
+            true => None,
+            false => Some(regex::Regex::new(&alternatives.join("|")).map_err(|e| Error::Tokenizer(e.to_string()))?),
+        };
+        let special_ids = specials_map.clone();
         let bpe = CoreBPE::new(encoder, specials_map, v.pre.pattern()).map_err(|e| Error::Tokenizer(e.to_string()))?;
         let mut end_ids = vec![v.eos_token_id];
         end_ids.extend(v.end_ids.iter().filter(|&&t| t != v.eos_token_id));
@@ -132,6 +144,9 @@ impl Tokenizer {
             specials,
             control_ids,
             nfc: v.pre.nfc(),
+            split_digits: v.pre.split_digits(),
+            specials_re,
+            special_ids,
             eos_token_id: v.eos_token_id,
             end_ids,
             bos_token_id: v.bos_token_id,
@@ -159,7 +174,38 @@ impl Tokenizer {
         } else {
             text
         };
+        if self.split_digits {
+            return Ok(self.encode_digits_apart(text, allow_special));
+        }
         self.bpe.encode(text, &allowed).map(|(ids, _)| ids).map_err(|e| Error::Tokenizer(e.message))
+    }
+
+    /// `encode` for a pre-tokenizer that splits every digit off first: control tokens (when allowed), then the
+    /// text between them in pieces — each digit alone, each run of other characters — each split by the regex.
+    fn encode_digits_apart(&self, text: &str, allow_special: bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let found = self.specials_re.as_ref().filter(|_| allow_special).and_then(|re| re.find(rest));
+            let plain = found.map_or(rest, |m| &rest[..m.start()]);
+            let mut start = 0;
+            for (i, c) in plain.char_indices() {
+                if c.is_numeric() {
+                    out.extend(self.bpe.encode_ordinary(&plain[start..i]));
+                    out.extend(self.bpe.encode_ordinary(&plain[i..i + c.len_utf8()]));
+                    start = i + c.len_utf8();
+                }
+            }
+            out.extend(self.bpe.encode_ordinary(&plain[start..]));
+            match found {
+                Some(m) => {
+                    out.extend(self.special_ids.get(m.as_str()));
+                    rest = &rest[m.end()..];
+                }
+                None => break,
+            }
+        }
+        out
     }
 
     /// `encode`, with the beginning-of-sequence token first when the file says prompts start with it and

@@ -32,20 +32,23 @@ class Flavour:
     dtype: str = "float32"  # the checkpoint's stored type ("bfloat16" too)
     shard: str | None = None  # save_pretrained's max_shard_size
     rope_scaling: dict | None = None
+    pre: str | None = None  # the tokenizer's pre-tokenizer: qwen2 / llama-bpe (the architecture's) or smollm
 
 
 def build_tokenizer(flavour: Flavour) -> Tokenizer:
-    pre = "qwen2" if flavour.arch == "qwen2" else "llama-bpe"
+    pre = flavour.pre or ("qwen2" if flavour.arch == "qwen2" else "llama-bpe")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<|begin_of_text|>"] if pre == "llama-bpe" else [])
     tok = Tokenizer(models.BPE())
     if pre == "qwen2":
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
+    if pre == "smollm":  # SmolLM's (Ouro's): each digit apart, then GPT-2's byte-level regex
+        steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    else:
+        steps = [
             pre_tokenizers.Split(Regex(PATTERN[pre]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     if pre == "llama-bpe":
         tok.post_processor = processors.TemplateProcessing(

@@ -171,11 +171,13 @@ def _file_commands(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_export_llama)
 
-    p = sub.add_parser("convert", help="write a Hugging Face checkpoint (Llama, Qwen2) as a .tinyloop file")
+    p = sub.add_parser("convert", help="write a Hugging Face checkpoint (Llama, Qwen2, Ouro) as a .tinyloop file")
     p.add_argument("input", help="the checkpoint's directory (config.json, *.safetensors, tokenizer.json ...)")
     p.add_argument("output", help="the .tinyloop file to write")
     p.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0", "q4_0"], help="weight type (f16)")
-    p.add_argument("--loops", type=int, default=1, help="the file's default loops (default 1)")
+    p.add_argument(
+        "--loops", type=int, default=None, help="the file's default loops (default: Ouro's total_ut_steps, else 1)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
 

@@ -215,7 +215,14 @@ fn read_config(r: &Reader) -> Result<Config> {
         max_trained_loops: r.usize_in(&k("loops.max_trained"), 1, MAX_LOOPS as u64)?,
         vocab_size: 0, // set from the tokenizer below
         file_type: r.uint("general.file_type")? as u32,
-        attn_bias: false, // set from the tensors below
+        attn_bias: false,  // set from the tensors below
+        post_norms: false, // set from the tensors below
+        exit_gate: false,  // set from the tensors below
+        loop_norm: match r.metadata.get(LOOP_NORM) {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(r.err(LOOP_NORM, "expected a bool")),
+        },
         rope_scaling: read_rope_scaling(r)?,
     })
 }
@@ -299,6 +306,7 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
 }
 
 const END_IDS: &str = "tinyloop.end_token_ids";
+const LOOP_NORM: &str = "tinyloop.loop_norm";
 const ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
@@ -332,6 +340,10 @@ pub fn expected_tensors(cfg: &Config, tied_head: bool) -> BTreeMap<String, Vec<u
     if !tied_head {
         out.insert("output.weight".to_string(), vec![cfg.vocab_size, d]);
     }
+    if cfg.exit_gate {
+        out.insert("exit_gate.weight".to_string(), vec![1, d]);
+        out.insert("exit_gate.bias".to_string(), vec![1]);
+    }
     for (prefix, count) in [("pre", cfg.prelude_count), ("blk", cfg.block_count)] {
         for i in 0..count {
             for (part, shape) in &layer {
@@ -340,6 +352,11 @@ pub fn expected_tensors(cfg: &Config, tied_head: bool) -> BTreeMap<String, Vec<u
             if cfg.attn_bias {
                 for (part, rows) in [("attn_q", d), ("attn_k", kv), ("attn_v", kv)] {
                     out.insert(format!("{prefix}.{i}.{part}.bias"), vec![rows]);
+                }
+            }
+            if cfg.post_norms {
+                for part in ["attn_post_norm", "ffn_post_norm"] {
+                    out.insert(format!("{prefix}.{i}.{part}.weight"), vec![d]);
                 }
             }
         }
@@ -387,6 +404,8 @@ fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
 
     let tied = !infos.contains_key("output.weight");
     config.attn_bias = infos.contains_key("blk.0.attn_q.bias");
+    config.post_norms = infos.contains_key("blk.0.attn_post_norm.weight");
+    config.exit_gate = infos.contains_key("exit_gate.weight");
     let expected = expected_tensors(&config, tied);
     if let Some(extra) = infos.keys().filter(|n| !expected.contains_key(*n)).min() {
         return Err(r.err(format!("tensor {extra}"), "not part of a tinyloop model with this config"));
@@ -487,6 +506,9 @@ mod tests {
             vocab_size: 1,
             file_type: 0,
             attn_bias: false,
+            post_norms: false,
+            exit_gate: false,
+            loop_norm: false,
             rope_scaling: None,
         }
     }

@@ -8,11 +8,13 @@ pub enum PreTokenizer {
     Qwen2,
     /// Llama 3's: Qwen2's with digits in runs of up to three.
     Llama3,
+    /// SmolLM's (Ouro's tokenizer): every digit split off on its own, then GPT-2's regex within each piece.
+    Smollm,
 }
 
 impl PreTokenizer {
-    pub const NAMES: [(&'static str, PreTokenizer); 3] =
-        [("gpt-2", Self::Gpt2), ("qwen2", Self::Qwen2), ("llama-bpe", Self::Llama3)];
+    pub const NAMES: [(&'static str, PreTokenizer); 4] =
+        [("gpt-2", Self::Gpt2), ("qwen2", Self::Qwen2), ("llama-bpe", Self::Llama3), ("smollm", Self::Smollm)];
 
     pub fn from_name(name: &str) -> Option<Self> {
         Self::NAMES.iter().find(|(n, _)| *n == name).map(|(_, p)| *p)
@@ -24,9 +26,17 @@ impl PreTokenizer {
         self == Self::Qwen2
     }
 
+    /// Whether every digit is split off before the regex runs (SmolLM's `Digits(individual_digits)` step).
+    pub fn split_digits(self) -> bool {
+        self == Self::Smollm
+    }
+
+    /// The regex that splits text (within each piece of the digit split, for SmolLM's).
     pub fn pattern(self) -> &'static str {
         match self {
-            Self::Gpt2 => r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s",
+            Self::Gpt2 | Self::Smollm => {
+                r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"
+            }
             Self::Qwen2 => {
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
             }

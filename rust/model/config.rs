@@ -21,6 +21,15 @@ pub struct Config {
     pub file_type: u32,
     /// Q, K and V projections carry biases (`blk.N.attn_q.bias` …: Qwen2's layers).
     pub attn_bias: bool,
+    /// Each layer norms its attention and feed-forward outputs before adding them (`blk.N.attn_post_norm` …:
+    /// Ouro's "sandwich" layers).
+    pub post_norms: bool,
+    /// The file carries an early-exit gate (`exit_gate.weight`, `exit_gate.bias`: Ouro's); the engine does not
+    /// read it — adaptive depth uses its own rule (`depth.rs`).
+    pub exit_gate: bool,
+    /// `output_norm` is applied after every loop and the normed state is what the next loop reads (Ouro's
+    /// recurrence); the head then reads it as it is (`tinyloop.loop_norm`).
+    pub loop_norm: bool,
     pub rope_scaling: Option<RopeScaling>,
 }
 

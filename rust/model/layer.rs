@@ -27,6 +27,8 @@ pub(super) struct Layer {
     bias: Option<[Vec<f32>; 3]>,
     wo: Linear,
     ffn_norm: Vec<f32>,
+    /// Norms of the attention and feed-forward outputs before the residual adds, when the file has them.
+    post_norms: Option<[Vec<f32>; 2]>,
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -54,8 +56,16 @@ impl Layer {
             ]),
             false => None,
         };
+        let post_norms = match cfg.post_norms {
+            true => Some([
+                norm(t, &format!("{p}.attn_post_norm.weight"))?.to_vec1()?,
+                norm(t, &format!("{p}.ffn_post_norm.weight"))?.to_vec1()?,
+            ]),
+            false => None,
+        };
         Ok(Self {
             bias,
+            post_norms,
             attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?.to_vec1()?,
             wq: matmul(t, &format!("{p}.attn_q.weight"))?,
             wk: matmul(t, &format!("{p}.attn_k.weight"))?,
@@ -90,13 +100,24 @@ impl Layer {
         let mut xs = x.flatten_all()?.to_vec1::<f32>()?; // (n, dim), the residual stream
         let h = rms_norm(&xs, &self.attn_norm, cfg.rms_eps);
         let att = self.attention(cfg, rope, &h, n, seqs, slot)?;
-        add_assign(&mut xs, &product(&self.wo, &att, n)?);
+        let att = product(&self.wo, &att, n)?;
+        add_assign(&mut xs, &self.post_norm(0, att, cfg));
         let h = rms_norm(&xs, &self.ffn_norm, cfg.rms_eps);
         let mut m = product(&self.gate, &h, n)?;
         let up = product(&self.up, &h, n)?;
         silu_mul(&mut m, &up);
-        add_assign(&mut xs, &product(&self.down, &m, n)?);
+        let m = product(&self.down, &m, n)?;
+        add_assign(&mut xs, &self.post_norm(1, m, cfg));
         Ok(Tensor::from_vec(xs, (n, cfg.dim), &Device::Cpu)?)
+    }
+
+    /// A sublayer's output (`which`: 0 attention, 1 feed-forward) as it is added to the residual stream: normed by
+    /// the layer's post-norm when it has them.
+    fn post_norm(&self, which: usize, y: Vec<f32>, cfg: &Config) -> Vec<f32> {
+        match &self.post_norms {
+            Some(norms) => rms_norm(&y, &norms[which], cfg.rms_eps),
+            None => y,
+        }
     }
 
     /// Q, K, V of the `n` normed rows `h`, rotated for their positions; K/V written to each sequence's cache slot

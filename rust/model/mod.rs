@@ -170,12 +170,17 @@ impl Model {
         self.prelude.iter().enumerate().try_fold(x, |x, (i, layer)| layer.forward(&self.cfg, &self.rope, &x, seqs, i))
     }
 
-    /// The shared block once, as loop `lp` (0-based).
+    /// The shared block once, as loop `lp` (0-based); then the final norm, in a model whose loops end with it.
     fn loop_pass(&self, x: Tensor, seqs: &mut [SeqChunk], lp: usize) -> Result<Tensor> {
-        self.block
+        let x = self
+            .block
             .iter()
             .enumerate()
-            .try_fold(x, |x, (j, layer)| layer.forward(&self.cfg, &self.rope, &x, seqs, self.slot(lp, j)))
+            .try_fold(x, |x, (j, layer)| layer.forward(&self.cfg, &self.rope, &x, seqs, self.slot(lp, j)))?;
+        match self.cfg.loop_norm {
+            true => self.rms_output_norm(&x),
+            false => Ok(x),
+        }
     }
 
     /// Advance several sequences' rows, each through its own loop range, in shared passes: every loop runs once,
@@ -284,7 +289,15 @@ impl Model {
         }
     }
 
+    /// The head's input: the final norm of `h`, or `h` itself where every loop already ended with it.
     fn final_norm(&self, h: &Tensor) -> Result<Tensor> {
+        match self.cfg.loop_norm {
+            true => Ok(h.clone()),
+            false => self.rms_output_norm(h),
+        }
+    }
+
+    fn rms_output_norm(&self, h: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?)
     }
 

@@ -1,10 +1,12 @@
 """Calibration for GPTQ: a vectorized float32 NumPy forward pass of the looped model (docs/architecture.md) that sums
 H = 2 XᵀX over the inputs X of every linear layer.
 
-x = embed[tokens]; prelude layers once; the k block layers `loops` times; rms_norm; head. A layer (pre-norm, llama
-style): x += Wo·attn(rope(Wq·n(x) + bq), rope(Wk·n(x) + bk), Wv·n(x) + bv) (biases where the file has them);
-x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)). RoPE rotates adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim), scaled as
-the file says; query head h reads K/V head h // (H / H_kv); attention is causal.
+x = embed[tokens]; prelude layers once; the k block layers `loops` times (each time followed by the final norm in a
+model with `loop_norm`); rms_norm (once, at the end, otherwise); head. A layer (pre-norm, llama style):
+x += Wo·attn(rope(Wq·n(x) + bq), rope(Wk·n(x) + bk), Wv·n(x) + bv); x += Wdown·(silu(Wgate·n(x)) * Wup·n(x)), with
+biases where the file has them and each sublayer's output normed first where it has post-norms. RoPE rotates
+adjacent pairs (2i, 2i+1) by pos·θ^(-2i/head_dim), scaled as the file says; query head h reads K/V head
+h // (H / H_kv); attention is causal.
 
 The block's weights are shared by every loop, so their Hessians sum the inputs of all `loops` applications. Inputs
 shared by several matrices give them one Hessian (the same array): q/k/v read attn_norm's output, gate/up read
@@ -90,7 +92,7 @@ def _layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, hs
     a = (s @ v).transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     if hs is not None:
         hs.add([f"{p}.attn_output.weight"], a)
-    x = x + a @ w[f"{p}.attn_output.weight"].T
+    x = x + _post(cfg, w, f"{p}.attn_post_norm.weight", a @ w[f"{p}.attn_output.weight"].T)
     h = rms_norm(x, w[f"{p}.ffn_norm.weight"], cfg.rms_eps)
     if hs is not None:
         hs.add([f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"], h)
@@ -98,7 +100,12 @@ def _layer(cfg: ModelConfig, w: dict[str, np.ndarray], p: str, x: np.ndarray, hs
     m = g * (0.5 + 0.5 * np.tanh(0.5 * g)) * (h @ w[f"{p}.ffn_up.weight"].T)  # silu, without exp overflow
     if hs is not None:
         hs.add([f"{p}.ffn_down.weight"], m)
-    return x + m @ w[f"{p}.ffn_down.weight"].T
+    return x + _post(cfg, w, f"{p}.ffn_post_norm.weight", m @ w[f"{p}.ffn_down.weight"].T)
+
+
+def _post(cfg: ModelConfig, w: dict[str, np.ndarray], name: str, y: np.ndarray) -> np.ndarray:
+    """A sublayer's output as it joins the residual stream: normed where the layer has post-norms (Ouro's)."""
+    return rms_norm(y, w[name], cfg.rms_eps) if cfg.post_norms else y
 
 
 def head_name(cfg: ModelConfig) -> str:
@@ -116,7 +123,10 @@ def final_hidden(
     for _ in range(loops):
         for j in range(cfg.block_count):
             x = _layer(cfg, w, f"blk.{j}", x, hs)
-    x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+        if cfg.loop_norm:  # Ouro's recurrence: every loop ends with the final norm, which the next one reads
+            x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
+    if not cfg.loop_norm:
+        x = rms_norm(x, w["output_norm.weight"], cfg.rms_eps)
     if hs is not None:
         hs.add([head_name(cfg)], x)
     return x

@@ -4,6 +4,12 @@ Llama (`LlamaForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`) checkpoints become loo
 decoder layer in the looped block (k = all layers), no prelude, loops 1 by default — the same computation, so they
 serve like any model (speculative modes aside: they draft from shallower loops, and one loop has none).
 
+Ouro (`OuroForCausalLM`, ByteDance's looped models) is a looped model already: all its layers are the block, run
+`total_ut_steps` times (the default loops). Its layers norm each sublayer's output before the residual add (the
+`input_layernorm_2` / `post_attention_layernorm_2` tensors become `attn_post_norm` / `ffn_post_norm`), and every
+recurrent step ends with the final norm, whose output the next step reads (`tinyloop.loop_norm`). Its early-exit
+gate is carried in the file (`exit_gate.*`).
+
 What changes on the way: Hugging Face's RoPE rotates the two halves of each head (`rotate_half`) where tinyloop
 rotates adjacent pairs, so the rows of each head's Q and K projections (and Qwen2's Q and K biases) are interleaved —
 dimension `i` of the first half and `i` of the second become rows `2i` and `2i + 1` — which gives every attention
@@ -23,7 +29,7 @@ from . import safetensors_read
 from .format import ModelConfig, write_model
 from .hf_tokenizer import chat_template, read_vocabulary
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "OuroForCausalLM")
 # --outtype -> (matrices, embedding and head)
 OUTTYPES = {"f32": ("F32", "F32"), "f16": ("F16", "F16"), "q8_0": ("Q8_0", "Q8_0"), "q4_0": ("Q4_0", "Q8_0")}
 LAYER_PARTS = {
@@ -36,6 +42,8 @@ LAYER_PARTS = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "input_layernorm_2.weight": "attn_post_norm.weight",
+    "post_attention_layernorm_2.weight": "ffn_post_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -68,8 +76,9 @@ def rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     raise ConvertError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
-def model_config(hf: dict[str, Any], rows: int, name: str, loops: int) -> ModelConfig:
-    """The tinyloop shape of a Llama / Qwen2 `config.json`; ConvertError for anything it cannot express."""
+def model_config(hf: dict[str, Any], rows: int, name: str, loops: int | None) -> ModelConfig:
+    """The tinyloop shape of a Llama / Qwen2 / Ouro `config.json`; ConvertError for anything it cannot express.
+    `loops`: the file's default depth (None: the checkpoint's — Ouro's `total_ut_steps`, else 1)."""
     arch = (hf.get("architectures") or ["?"])[0]
     _refuse_unless(
         arch in ARCHITECTURES, f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -84,6 +93,8 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int) -> ModelC
         f"head_dim {hf.get('head_dim')} with hidden_size {dim} and {heads} heads: only hidden_size / heads",
     )
     theta, scaling = rope(hf)
+    ouro = arch == "OuroForCausalLM"
+    steps = int(hf.get("total_ut_steps", 4)) if ouro else 1
     return ModelConfig(
         dim=dim,
         n_heads=heads,
@@ -91,8 +102,8 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int) -> ModelC
         ffn_dim=int(hf["intermediate_size"]),
         block_count=int(hf["num_hidden_layers"]),
         prelude_count=0,
-        default_loops=loops,
-        max_trained_loops=1,
+        default_loops=loops or steps,
+        max_trained_loops=steps,
         context_length=int(hf.get("max_position_embeddings", 2048)),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -100,6 +111,9 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int) -> ModelC
         tied_head=bool(hf.get("tie_word_embeddings", False)),
         name=name,
         attn_bias=arch == "Qwen2ForCausalLM",
+        post_norms=ouro,
+        loop_norm=ouro,
+        exit_gate=ouro,
         rope_scaling=scaling,
     )
 
@@ -112,7 +126,12 @@ def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
 
 def tinyloop_name(name: str) -> str | None:
     """The tinyloop tensor a checkpoint tensor becomes (None: not part of the model, e.g. rotary buffers)."""
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.early_exit_gate.weight": "exit_gate.weight",
+        "model.early_exit_gate.bias": "exit_gate.bias",
+    }
     if name in fixed:
         return fixed[name]
     if name == "lm_head.weight":
@@ -153,7 +172,9 @@ def weights(directory: Path, cfg: ModelConfig, progress: bool) -> dict[str, np.n
     return out
 
 
-def convert(directory: Path, out: Path, outtype: str = "f16", loops: int = 1, progress: bool = True) -> ModelConfig:
+def convert(
+    directory: Path, out: Path, outtype: str = "f16", loops: int | None = None, progress: bool = True
+) -> ModelConfig:
     """Write `out` from the checkpoint in `directory`; returns the model's shape."""
     _refuse_unless(outtype in OUTTYPES, f"--outtype {outtype!r}: one of {', '.join(OUTTYPES)}")
     hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))

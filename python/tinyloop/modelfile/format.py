@@ -52,6 +52,9 @@ class ModelConfig:
     tied_head: bool = True  # False adds output.weight
     name: str = "tinyloop"
     attn_bias: bool = False  # True adds blk.N.attn_{q,k,v}.bias (Qwen2's layers)
+    post_norms: bool = False  # True adds blk.N.attn_post_norm / ffn_post_norm (Ouro's sandwich layers)
+    loop_norm: bool = False  # output_norm after every loop, its output carried (Ouro's recurrence)
+    exit_gate: bool = False  # True adds exit_gate.weight (1, dim) and exit_gate.bias (1,) (Ouro's early-exit gate)
     # RoPE scaling, as tinyloop.rope.scaling.* keys without the prefix: {"type": "linear", "factor": 4.0} or
     # {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_context_length"}
     rope_scaling: Mapping[str, str | float | int] | None = None
@@ -83,9 +86,14 @@ class ModelConfig:
                 if self.attn_bias:
                     for part in ("attn_q", "attn_k", "attn_v"):
                         shapes[f"{prefix}.{i}.{part}.bias"] = (layer[part][0],)
+                if self.post_norms:
+                    for part in ("attn_post_norm", "ffn_post_norm"):
+                        shapes[f"{prefix}.{i}.{part}.weight"] = (self.dim,)
         shapes["output_norm.weight"] = (self.dim,)
         if not self.tied_head:
             shapes["output.weight"] = (self.vocab_size, self.dim)
+        if self.exit_gate:
+            shapes["exit_gate.weight"], shapes["exit_gate.bias"] = (1, self.dim), (1,)
         return shapes
 
 
@@ -102,8 +110,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[
 
 
 def _tensor_type(name: str, shape: tuple[int, ...], weight_type: str, embedding_type: str | None) -> str:
-    if len(shape) == 1:
-        return "F32"  # norms stay exact
+    if len(shape) == 1 or name.startswith("exit_gate."):
+        return "F32"  # norms, biases and the exit gate stay exact
     if name in ("token_embd.weight", "output.weight") and embedding_type is not None:
         return embedding_type
     return weight_type
@@ -148,6 +156,8 @@ def model_contents(
     }
     for key, value in _metadata(cfg):
         meta[f"{ARCH}.{key}"] = (value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
+    if cfg.loop_norm:
+        meta[f"{ARCH}.loop_norm"] = (True, V.BOOL)
     for key, value in (cfg.rope_scaling or {}).items():
         vtype = V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int) else V.FLOAT32
         meta[f"{ARCH}.rope.scaling.{key}"] = (value, vtype)
@@ -357,5 +367,8 @@ def model_config(contents: GGUFContents) -> ModelConfig:
         tied_head="output.weight" not in contents.tensors,
         name=name,
         attn_bias="blk.0.attn_q.bias" in contents.tensors,
+        post_norms="blk.0.attn_post_norm.weight" in contents.tensors,
+        loop_norm=bool(meta.get(f"{ARCH}.loop_norm", (False,))[0]),
+        exit_gate="exit_gate.weight" in contents.tensors,
         rope_scaling=scaling or None,
     )

@@ -1,8 +1,9 @@
 """A Hugging Face checkpoint's tokenizer (`tokenizer.json`, `tokenizer_config.json`, `generation_config.json`) as a
 tinyloop `Vocabulary` and chat template.
 
-Only byte-level BPE is read — the tokenizers of GPT-2, Qwen2 and Llama 3 — and only with a pre-tokenizer the engine
-knows (`tokenizer.ggml.pre`): GPT-2's byte-level regex, Qwen2's split (after NFC) or Llama 3's. The vocabulary is
+Only byte-level BPE is read — the tokenizers of GPT-2, Qwen2, Llama 3 and SmolLM (Ouro's) — and only with a
+pre-tokenizer the engine knows (`tokenizer.ggml.pre`): GPT-2's byte-level regex, Qwen2's split (after NFC), Llama 3's,
+or SmolLM's (each digit apart, then GPT-2's regex). The vocabulary is
 written as GGUF tokens in GPT-2's byte spelling, which is how these `tokenizer.json` files already spell them.
 Added tokens (`<|im_start|>`, `<|begin_of_text|>` …) become control tokens: the engine parses their text only where
 asked (a chat template's output, `/tokenize` with `parse_special`), where `tokenizers` parses the non-special ones
@@ -45,6 +46,9 @@ def pre_tokenizer(tok: dict[str, Any]) -> str:
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
         if norm is None:
             return "gpt-2"
+    elif kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and norm is None:
+        if steps[1].get("use_regex", True) and not steps[1].get("add_prefix_space"):
+            return "smollm"
     elif kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
         pattern = (steps[0].get("pattern") or {}).get("Regex")
         want = SPLIT_PATTERNS.get(pattern or "")
@@ -52,7 +56,7 @@ def pre_tokenizer(tok: dict[str, Any]) -> str:
             return want[1]
     raise TokenizerError(
         f"unsupported pre-tokenizer {json.dumps(pre)[:300]} with normalizer {norm!r}: tinyloop reads byte-level BPE "
-        "with GPT-2's, Qwen2's or Llama 3's pre-tokenizer"
+        "with GPT-2's, Qwen2's, Llama 3's or SmolLM's pre-tokenizer"
     )
 
 

@@ -128,11 +128,13 @@ def _calibrate(path: Path, contents: GGUFContents, opts: Options) -> calibrate.H
 
 
 def _storage_types(contents: GGUFContents, target: str) -> dict[str, str]:
-    """Each tensor's type in the output: F32 for norms, else `target`, else FALLBACK where its rows don't fit."""
+    """Each tensor's type in the output: F32 for norms, biases and the exit gate, else `target`, else FALLBACK where
+    its rows don't fit."""
     types = {}
     for name, (array, _) in contents.tensors.items():
-        fits = [t for t in (target, FALLBACK) if array.ndim == 2 and array.shape[1] % FORMATS[t].block == 0]
-        if array.ndim == 2 and not fits:
+        matrix = array.ndim == 2 and not name.startswith("exit_gate.")
+        fits = [t for t in (target, FALLBACK) if matrix and array.shape[1] % FORMATS[t].block == 0]
+        if matrix and not fits:
             raise QuantizeError(f"{name}: rows of {array.shape[1]} values fit neither {target} nor {FALLBACK}")
         types[name] = fits[0] if fits else "F32"
     return types
