@@ -101,5 +101,5 @@ def test_smollm_tokenization_matches_tokenizers_on_the_corpus(ouro, tmp_path):
 def test_export_llama_refuses_ouro(ouro, tmp_path):
     from tinyloop.modelfile.export_llama import ExportError, export_llama
 
-    with pytest.raises(ExportError, match="no form in llama.cpp's llama architecture"):
+    with pytest.raises(ExportError, match=r"no form in llama\.cpp's llama architecture"):
         export_llama(ouro[2], tmp_path / "x.gguf", progress=False)

@@ -107,11 +107,8 @@ def export_llama(
     loops = loops if loops is not None else int(_value(fields["tinyloop.loops.default"]))
     if not 1 <= loops <= MAX_LOOPS:
         raise ExportError(f"--loops must be in 1..{MAX_LOOPS}, got {loops}")
-    if (
-        "tinyloop.loop_norm" in fields
-        and _value(fields["tinyloop.loop_norm"])
-        or any(t.name.endswith("_post_norm.weight") for t in reader.tensors)
-    ):
+    looped_norms = "tinyloop.loop_norm" in fields and _value(fields["tinyloop.loop_norm"])
+    if looped_norms or any(t.name.endswith("_post_norm.weight") for t in reader.tensors):
         raise ExportError(
             f"{src}: its layers' post-norms and per-loop final norm (Ouro's) have no form in llama.cpp's llama "
             "architecture"
