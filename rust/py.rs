@@ -743,6 +743,13 @@ impl Engine {
         self.inner.chat_template.clone()
     }
 
+    /// The sampling settings the file recommends (`tinyloop.generation.*`: temperature, top_p, top_k,
+    /// repetition_penalty), by field name; the server uses them where a request and its own defaults say nothing.
+    #[getter]
+    fn generation_defaults(&self) -> std::collections::BTreeMap<String, f64> {
+        self.inner.generation.iter().cloned().collect()
+    }
+
     #[getter]
     fn eos_token_id(&self) -> u32 {
         self.inner.tokenizer.eos_token_id

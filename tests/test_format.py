@@ -160,6 +160,8 @@ def test_bad_optional_keys_of_converted_checkpoints(tmp_path, contents):
         ({"tinyloop.end_token_ids": ([50256, 60000], V.ARRAY, V.UINT32)}, "tinyloop.end_token_ids: token id 60000"),
         ({"tokenizer.ggml.add_bos_token": (1, V.UINT32)}, "tokenizer.ggml.add_bos_token: expected a bool"),
         ({"tinyloop.rope.scaling.type": ("yarn", V.STRING)}, 'tinyloop.rope.scaling.type: is "yarn"'),
+        ({"tinyloop.generation.min_p": (0.1, V.FLOAT32)}, "tinyloop.generation.min_p: not a generation field"),
+        ({"tinyloop.generation.temperature": (3.0, V.FLOAT32)}, "tinyloop.generation.temperature: 3 is outside"),
         (
             {"tinyloop.rope.scaling.type": ("linear", V.STRING), "tinyloop.rope.scaling.factor": (0.0, V.FLOAT32)},
             "tinyloop.rope.scaling.factor: 0 must be finite and > 0",

@@ -4,11 +4,14 @@ token the checkpoint's generation_config lists (not the tokenizer's eos)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import jinja2
 from openai import OpenAI
 from tokenizers import Tokenizer
 
+import tinyloop
 from hf_checkpoints import CHATML, Flavour, build_checkpoint, end_within
 from serverutil import running_server
 from tinyloop.modelfile.convert import convert
@@ -52,3 +55,32 @@ def test_a_converted_llama_starts_plain_prompts_with_its_bos_token(tmp_path):
         with_bos = httpx.post(f"{base}/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
         without = httpx.post(f"{base}/tokenize", json={"content": text}).json()["tokens"]
     assert with_bos == want and without == want[1:]
+
+
+def test_the_checkpoints_sampling_settings_are_the_servers_defaults(tmp_path):
+    """generation_config.json's sampling fields travel in the file (`tinyloop.generation.*`); a request that leaves
+    a field out gets the file's value, one that sends it keeps its own, and `--generate-config` wins over the file.
+    (`repetition_penalty` is a field of the `/api/v0` family, which is where it applies.)"""
+    directory = build_checkpoint(tmp_path / "hf", Flavour("qwen2"), seed=6)
+    generation = json.loads((directory / "generation_config.json").read_text())
+    generation |= {"do_sample": True, "temperature": 0.0, "repetition_penalty": 2.0}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    out = tmp_path / "qwen2.tinyloop"
+    convert(directory, out, outtype="f32", progress=False)
+    assert tinyloop.Engine(out).generation_defaults == {"temperature": 0.0, "repetition_penalty": 2.0}
+    body = {"model": "m", "prompt": "one two one two one two", "max_tokens": 16}
+
+    def text(base: str, **fields) -> str:
+        r = httpx.post(f"{base}/api/v0/completions", json=body | fields, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with running_server(out) as base:
+        by_file = text(base)
+        assert by_file == text(base, temperature=0.0, repetition_penalty=2.0)
+        plain = text(base, temperature=0.0, repetition_penalty=1.0)
+        assert plain != by_file
+    config = tmp_path / "defaults.json"
+    config.write_text(json.dumps({"repetition_penalty": 1.0}))
+    with running_server(out, "--generate-config", str(config)) as base:
+        assert text(base) == plain

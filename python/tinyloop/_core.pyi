@@ -352,6 +352,10 @@ class Engine:
     def chat_template(self) -> str | None:
         """The file's chat template (`tokenizer.chat_template`, Jinja), or None."""
     @property
+    def generation_defaults(self) -> dict[str, float]:
+        """The sampling settings the file recommends (`tinyloop.generation.*`: temperature, top_p, top_k,
+        repetition_penalty), by field name; the server uses them where a request and its own defaults say nothing."""
+    @property
     def eos_token_id(self) -> int: ...
     @property
     def end_token_ids(self) -> list[int]:

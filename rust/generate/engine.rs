@@ -28,6 +28,8 @@ pub struct Engine {
     pub kv_cache_mode: String,
     /// The file's chat template (Jinja), if it has one.
     pub chat_template: Option<String>,
+    /// The sampling settings the file recommends (`tinyloop.generation.*`), by field name.
+    pub generation: Vec<(String, f64)>,
     /// Finished sequences' KV, reused by requests whose prompts start the same way (off until configured).
     pub prefixes: PrefixStore,
     path: std::path::PathBuf,
@@ -78,7 +80,7 @@ impl Engine {
 
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
         isa::requested().map_err(Error::InvalidArgument)?;
-        let ModelFile { config, vocab, tensors, quant, draft_ids, chat_template } = loader::load(path)?;
+        let ModelFile { config, vocab, tensors, quant, draft_ids, chat_template, generation } = loader::load(path)?;
         let tokenizer = Arc::new(Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),
             what: "tokenizer.ggml.tokens/merges".into(),
@@ -92,7 +94,18 @@ impl Engine {
         let grammars = Grammars::new(tokenizer.clone(), model.cfg.vocab_size);
         let kv_cache_mode = kv_cache_mode.to_string();
         let (prefixes, path) = (PrefixStore::default(), path.to_path_buf());
-        Ok(Self { model, tokenizer, grammars, quant, max_seq_len, kv_cache_mode, chat_template, prefixes, path })
+        Ok(Self {
+            model,
+            tokenizer,
+            grammars,
+            quant,
+            max_seq_len,
+            kv_cache_mode,
+            chat_template,
+            generation,
+            prefixes,
+            path,
+        })
     }
 
     /// Keep finished sequences' KV for reuse within these bounds (replacing any earlier store). With a directory,

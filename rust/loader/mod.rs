@@ -13,7 +13,7 @@ use std::path::Path;
 use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::{Error, Result};
-use crate::limits::{MAX_CONTEXT, MAX_DIM, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS, MAX_LOOPS, MAX_TENSORS};
+use crate::limits::{MAX_CONTEXT, MAX_DIM, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS, MAX_LOOPS, MAX_TENSORS, MAX_TOP_K};
 use crate::model::{Config, RopeScaling};
 use gguf::{Gguf, Source, Value};
 pub use pretokenizer::PreTokenizer;
@@ -62,6 +62,34 @@ pub struct ModelFile {
     pub draft_ids: Option<Vec<u32>>,
     /// `tokenizer.chat_template`: the Jinja template a chat is rendered with (as Hugging Face writes it), if any.
     pub chat_template: Option<String>,
+    /// `tinyloop.generation.*`: the sampling settings the file recommends, by field name.
+    pub generation: Vec<(String, f64)>,
+}
+
+/// The sampling fields a file may recommend (`tinyloop.generation.<field>`), each with its range.
+pub const GENERATION_FIELDS: [(&str, f64, f64); 4] = [
+    ("temperature", 0.0, 2.0),
+    ("top_p", 0.0, 1.0),
+    ("top_k", 0.0, MAX_TOP_K as f64),
+    ("repetition_penalty", 0.5, 2.0),
+];
+
+fn read_generation(r: &Reader) -> Result<Vec<(String, f64)>> {
+    let mut out = Vec::new();
+    for key in r.metadata.keys().filter(|k| k.starts_with("tinyloop.generation.")) {
+        let field = &key["tinyloop.generation.".len()..];
+        let Some(&(_, lo, hi)) = GENERATION_FIELDS.iter().find(|(f, ..)| *f == field) else {
+            let known: Vec<&str> = GENERATION_FIELDS.iter().map(|(f, ..)| *f).collect();
+            return Err(r.err(key, format!("not a generation field (known: {})", known.join(", "))));
+        };
+        let v = r.float(key)?;
+        if !(lo..=hi).contains(&v) {
+            return Err(r.err(key, format!("{v} is outside {lo}..={hi}")));
+        }
+        out.push((field.to_string(), v));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
 }
 
 struct Reader<'a> {
@@ -427,7 +455,8 @@ fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
         true => Some(r.string(CHAT_TEMPLATE)?.to_string()),
         false => None,
     };
-    Ok(ModelFile { config, vocab, tensors, quant, draft_ids, chat_template })
+    let generation = read_generation(&r)?;
+    Ok(ModelFile { config, vocab, tensors, quant, draft_ids, chat_template, generation })
 }
 
 /// A tensor the config implies has that shape, a type allowed for its rank, and rows of whole blocks.

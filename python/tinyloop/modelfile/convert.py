@@ -172,6 +172,18 @@ def weights(directory: Path, cfg: ModelConfig, progress: bool) -> dict[str, np.n
     return out
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_defaults(directory: Path) -> dict[str, float]:
+    """The sampling settings `generation_config.json` recommends; `do_sample: false` is greedy (temperature 0)."""
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: float(config[k]) for k in SAMPLING_FIELDS if config.get(k) is not None}
+
+
 def convert(
     directory: Path, out: Path, outtype: str = "f16", loops: int | None = None, progress: bool = True
 ) -> ModelConfig:
@@ -183,6 +195,14 @@ def convert(
     vocab = read_vocabulary(directory, rows)
     tensors = weights(directory, cfg, progress)
     matrices, embedding = OUTTYPES[outtype]
-    template = chat_template(directory)
-    write_model(out, cfg, tensors, weight_type=matrices, embedding_type=embedding, vocab=vocab, chat_template=template)
+    write_model(
+        out,
+        cfg,
+        tensors,
+        weight_type=matrices,
+        embedding_type=embedding,
+        vocab=vocab,
+        chat_template=chat_template(directory),
+        generation=generation_defaults(directory),
+    )
     return cfg

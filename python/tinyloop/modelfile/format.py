@@ -138,6 +138,7 @@ def model_contents(
     embedding_type: str | None = None,
     vocab: Vocabulary | None = None,
     chat_template: str | None = None,
+    generation: Mapping[str, float] | None = None,
 ) -> GGUFContents:
     vocab = vocab or gpt2_vocabulary()
     if len(vocab) != cfg.vocab_size:
@@ -177,6 +178,8 @@ def model_contents(
         meta[f"{ARCH}.end_token_ids"] = (list(vocab.end_token_ids), V.ARRAY, V.UINT32)
     if chat_template is not None:
         meta["tokenizer.chat_template"] = (chat_template, V.STRING)
+    for key, value in (generation or {}).items():  # temperature, top_p, top_k, repetition_penalty
+        meta[f"{ARCH}.generation.{key}"] = (int(value), V.UINT32) if key == "top_k" else (float(value), V.FLOAT32)
     tensors = {}
     for name, shape in shapes.items():
         array = np.asarray(weights[name], dtype=np.float32)
@@ -210,10 +213,12 @@ def write_model(
     embedding_type: str | None = None,
     vocab: Vocabulary | None = None,
     chat_template: str | None = None,
+    generation: Mapping[str, float] | None = None,
 ) -> None:
     """Write a `.tinyloop` file. `weight_type` applies to every matrix, `embedding_type` (default: the same) to
-    token_embd/output; norms are always F32; `chat_template` (Jinja) is how chats are written for the model."""
-    write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab, chat_template))
+    token_embd/output; norms are always F32; `chat_template` (Jinja) is how chats are written for the model;
+    `generation` the sampling settings the file recommends (temperature, top_p, top_k, repetition_penalty)."""
+    write_gguf(path, model_contents(cfg, weights, weight_type, embedding_type, vocab, chat_template, generation))
 
 
 # ModelConfig field -> its metadata key under "tinyloop.", in the order files list them.

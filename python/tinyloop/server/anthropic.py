@@ -184,7 +184,7 @@ class MessagesRequest(DepthFields, Conversation):
 
 
 async def plan(state: ServerState, req: MessagesRequest) -> Plan:
-    req.with_defaults(state.generate_defaults)
+    req.with_defaults(state.defaults())
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
     prompts = await tokenize(state, [req.prompt(chat)], chat.special)

@@ -19,7 +19,7 @@ router = APIRouter()
 
 async def plan(state: ServerState, req: GenerateRequest) -> Plan:
     """`stop` may mix strings (matched in the text) and token ids (the engine stops on them)."""
-    req.with_defaults(state.generate_defaults)
+    req.with_defaults(state.defaults())
     req.check(state.max_tokens_limit)
     engine, _ = state.require_engine()
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

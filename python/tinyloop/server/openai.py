@@ -29,7 +29,7 @@ def new_id(prefix: str) -> str:
 
 
 async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
-    req.with_defaults(state.generate_defaults)
+    req.with_defaults(state.defaults())
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
     prompts = await tokenize(state, [chat.render(req.messages, req.tool_use())], chat.special)
@@ -38,7 +38,7 @@ async def chat_plan(state: ServerState, req: ChatCompletionRequest) -> Plan:
 
 
 async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
-    req.with_defaults(state.generate_defaults)
+    req.with_defaults(state.defaults())
     req.check(state.max_tokens_limit)
     p = req.prompt
     if isinstance(p, str):

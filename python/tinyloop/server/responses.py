@@ -182,7 +182,7 @@ class ResponsesRequest(DepthFields):
 
 
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
-    req.with_defaults(state.generate_defaults)
+    req.with_defaults(state.defaults())
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
     prompts = await tokenize(state, [chat.render(req.conversation(), req.tool_use())], chat.special)

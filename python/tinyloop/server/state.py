@@ -46,6 +46,13 @@ class ServerState:
             raise APIError(503, f"Engine not loaded: {self.load_error}", code="engine_not_loaded")
         return self.engine, self.runner
 
+    def defaults(self) -> dict[str, Any]:
+        """The defaults a request's unsent fields take: the server's (`--generate-config`) over the loaded model
+        file's recommendations (`Engine.generation_defaults`, e.g. a converted checkpoint's generation_config)."""
+        engine, _ = self.require_engine()
+        recommended = {k: int(v) if k == "top_k" else v for k, v in engine.generation_defaults.items()}
+        return recommended | self.generate_defaults
+
     def chat_format(self) -> ChatFormat:
         """How the loaded model's conversations are written (its file's chat template, or "Role: content")."""
         engine, _ = self.require_engine()
