@@ -144,3 +144,14 @@ def end_within(directory: Path, prompt: list[int], end: int, lo: int, hi: int) -
             model.save_pretrained(directory)
             return out[: out.index(end) + 1]
     raise AssertionError("no token of the greedy continuation could stand in for the end token")
+
+
+def tokenization_mismatches(engine, tok: Tokenizer) -> list[int]:
+    """Indices of the tokenizer corpus's documents the engine encodes differently from `tokenizers`, which splits
+    out added tokens' text wherever it appears (the engine does where asked: `allow_special`)."""
+    docs = documents()
+    return [
+        i
+        for i, d in enumerate(docs)
+        if engine.encode(d, allow_special=True) != tok.encode(d, add_special_tokens=False).ids
+    ]

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 import tinyloop
 from corpus import documents
-from hf_checkpoints import Flavour, build_checkpoint, reference_model
+from hf_checkpoints import Flavour, build_checkpoint, reference_model, tokenization_mismatches
 from tinyloop.__main__ import main as cli
 from tinyloop.modelfile.convert import ConvertError, convert
 from tinyloop.modelfile.format import model_config, read_gguf
@@ -88,15 +88,9 @@ def test_tokenization_matches_tokenizers_on_the_corpus(converted):
         pytest.skip("one check per pre-tokenizer")
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     engine = tinyloop.Engine(out)
-    docs = documents()
-    # `tokenizers` splits out added tokens' text wherever it appears; the engine does where asked.
-    bad = [
-        i
-        for i, d in enumerate(docs)
-        if engine.encode(d, allow_special=True) != tok.encode(d, add_special_tokens=False).ids
-    ]
-    assert bad == [], f"{len(bad)} of {len(docs)} documents differ, first {bad[:5]}"
-    for d in docs[:50]:
+    bad = tokenization_mismatches(engine, tok)
+    assert bad == [], f"{len(bad)} documents differ, first {bad[:5]}"
+    for d in documents()[:50]:
         ids = tok.encode(d, add_special_tokens=False).ids
         assert engine.decode(ids) == tok.decode(ids, skip_special_tokens=False)
 

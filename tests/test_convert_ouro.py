@@ -79,20 +79,15 @@ def test_gptq_calibration_forward_matches_the_reference(ouro):
     assert np.abs(got - want).max() < 1e-3
 
 
-def test_smollm_tokenization_matches_tokenizers_on_the_corpus(ouro, tmp_path):
+def test_smollm_tokenization_matches_tokenizers_on_the_corpus(ouro):
     """Ouro's tokenizer (SmolLM's: every digit apart, then GPT-2's regex) as `tokenizers` runs it."""
-    from corpus import documents
+    from hf_checkpoints import tokenization_mismatches
 
     _, _, out, _ = ouro
     tok = Tokenizer.from_file(str(out.parent / "hf" / "tokenizer.json"))
     engine = tinyloop.Engine(out)
-    docs = documents()
-    bad = [
-        i
-        for i, d in enumerate(docs)
-        if engine.encode(d, allow_special=True) != tok.encode(d, add_special_tokens=False).ids
-    ]
-    assert bad == [], f"{len(bad)} of {len(docs)} documents differ, first {bad[:5]}"
+    bad = tokenization_mismatches(engine, tok)
+    assert bad == [], f"{len(bad)} documents differ, first {bad[:5]}"
     text = "x<|im_start|>12³ ٣<|im_end|>"
     assert engine.encode(text, allow_special=True) == tok.encode(text, add_special_tokens=False).ids
     assert tok.token_to_id("<|im_start|>") not in engine.encode(text)
