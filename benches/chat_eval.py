@@ -1,6 +1,7 @@
 """How the model answers a chat: the 40 prompts in tests/data/chat_prompts.txt (questions, requests, greetings), each
 as a one-message conversation in the model's chat template, answered greedily and at temperature 0.7 (seeded) at
-loops 8 with at most 96 tokens — what a chat client of the server gets (`--repetition-penalty` applies one to both).
+loops 8 with at most 96 tokens — what a chat client of the server gets (`--repetition-penalty` and
+`--frequency-penalty` apply to both; the latter defaults to the file's recommendation, as the server's does).
 
     python benches/chat_eval.py [MODEL] --json docs/chat_eval.json      # prints the table in docs/model.md
 
@@ -36,8 +37,9 @@ SETTINGS = {"greedy": {"temperature": 0.0}, "temperature 0.7": {"temperature": 0
 def answer(engine, chat: ChatFormat, prompt: str, sampling: dict, seed: int) -> tuple[str, bool]:
     """(the answer as the server would hand it out, whether it ended naturally)."""
     text = chat.render([ChatMessage(role="user", content=prompt)])
+    ids = engine.encode(text, allow_special=chat.special, add_special=not chat.special)  # as the server encodes it
     params = SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **sampling)
-    out = engine.generate(text, Generation(params, loops=LOOPS))
+    out = engine.generate(ids, Generation(params, loops=LOOPS))
     reply = out.text
     cuts = [i for s in chat.stops if (i := reply.find(s)) >= 0]
     natural = out.finish_reason == "stop" or bool(cuts)
@@ -55,13 +57,20 @@ def main() -> int:
     ap.add_argument("model", nargs="?", type=Path, default=DEFAULT)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="for every setting (1.0: off)")
+    ap.add_argument(
+        "--frequency-penalty", type=float, default=None, help="for every setting (default: the file's recommendation)"
+    )
     args = ap.parse_args()
     engine = tinyloop.Engine(args.model)
     chat = ChatFormat(engine)
     prompts = [line for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # What a chat completions request that leaves the penalties out gets: the file's recommendation.
+    frequency = args.frequency_penalty
+    frequency = engine.generation_defaults.get("frequency_penalty", 0.0) if frequency is None else frequency
+    penalties = {"repetition_penalty": args.repetition_penalty, "frequency_penalty": frequency}
     results = {}
     for name, sampling in SETTINGS.items():
-        sampling = sampling | {"repetition_penalty": args.repetition_penalty}
+        sampling = sampling | penalties
         answers = [answer(engine, chat, p, sampling, seed=i) for i, p in enumerate(tqdm(prompts, desc=name))]
         n = len(answers)
         results[name] = {
@@ -75,7 +84,7 @@ def main() -> int:
     for name, r in results.items():
         print(f"| {name} | {r['non_empty']:.0%} | {r['natural_stop']:.0%} | {r['no_looping']:.0%} |")
     if args.json:
-        meta = {"model": args.model.name, "prompts": len(prompts), "repetition_penalty": args.repetition_penalty}
+        meta = {"model": args.model.name, "prompts": len(prompts)} | penalties
         args.json.write_text(json.dumps(meta | results, indent=1) + "\n")
     return 0
 

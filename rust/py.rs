@@ -744,7 +744,8 @@ impl Engine {
     }
 
     /// The sampling settings the file recommends (`tinyloop.generation.*`: temperature, top_p, top_k,
-    /// repetition_penalty), by field name; the server uses them where a request and its own defaults say nothing.
+    /// repetition_penalty, presence_penalty, frequency_penalty), by field name; the server uses them where a
+    /// request and its own defaults say nothing.
     #[getter]
     fn generation_defaults(&self) -> std::collections::BTreeMap<String, f64> {
         self.inner.generation.iter().cloned().collect()

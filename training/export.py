@@ -44,6 +44,13 @@ def main() -> int:
         default=Path(__file__).resolve().parent / "chat_template.jinja",
         help="the Jinja chat template the file carries (tokenizer.chat_template); 'none' for none",
     )
+    ap.add_argument(
+        "--generation",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a sampling setting the file recommends (tinyloop.generation.*), e.g. frequency_penalty=0.5; repeatable",
+    )
     args = ap.parse_args()
 
     from tinyloop.modelfile.format import ModelConfig, write_model
@@ -73,6 +80,7 @@ def main() -> int:
         weight_type=args.weight_type,
         embedding_type=args.embedding_type,
         chat_template=template,
+        generation={k: float(v) for k, v in (item.split("=", 1) for item in args.generation)},
     )
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB)")
 

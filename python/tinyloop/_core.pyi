@@ -354,7 +354,8 @@ class Engine:
     @property
     def generation_defaults(self) -> dict[str, float]:
         """The sampling settings the file recommends (`tinyloop.generation.*`: temperature, top_p, top_k,
-        repetition_penalty), by field name; the server uses them where a request and its own defaults say nothing."""
+        repetition_penalty, presence_penalty, frequency_penalty), by field name; the server uses them where a
+        request and its own defaults say nothing."""
     @property
     def eos_token_id(self) -> int: ...
     @property

@@ -67,11 +67,13 @@ pub struct ModelFile {
 }
 
 /// The sampling fields a file may recommend (`tinyloop.generation.<field>`), each with its range.
-pub const GENERATION_FIELDS: [(&str, f64, f64); 4] = [
+pub const GENERATION_FIELDS: [(&str, f64, f64); 6] = [
     ("temperature", 0.0, 2.0),
     ("top_p", 0.0, 1.0),
     ("top_k", 0.0, MAX_TOP_K as f64),
     ("repetition_penalty", 0.5, 2.0),
+    ("presence_penalty", -2.0, 2.0),
+    ("frequency_penalty", -2.0, 2.0),
 ];
 
 fn read_generation(r: &Reader) -> Result<Vec<(String, f64)>> {
