@@ -83,17 +83,37 @@ class Layer(nn.Module):
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: KV | None = None
+    ) -> tuple[torch.Tensor, KV]:
+        """The layer over `x (B, T, dim)`; also returns its K and V `(B, KV, T, hd)`. With `past`, each position
+        attends to the earlier positions through `past`'s K/V and to itself through its own (`shared_attention`)."""
         B, T, D = x.shape
         H, KV, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.hd
         h = self.attn_norm(x)
         q = apply_rope(self.wq(h).view(B, T, H, hd).transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(self.wk(h).view(B, T, KV, hd).transpose(1, 2), cos, sin)
         v = self.wv(h).view(B, T, KV, hd).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
+        if past is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
+        else:
+            a = shared_attention(q, (k, v), past, gqa=KV != H)
         x = x + self.wo(a.transpose(1, 2).reshape(B, T, D))
         h = self.ffn_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)), (k, v)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def shared_attention(q: torch.Tensor, own: KV, past: KV, gqa: bool) -> torch.Tensor:
+    """Attention as decoding with `kv_share="last"` computes it: position t sees the positions before it through
+    `past` (the last loop's K/V, as the shared cache holds them) and itself through `own` (this loop's)."""
+    T = q.shape[-2]
+    k, v = torch.cat([past[0], own[0]], dim=2), torch.cat([past[1], own[1]], dim=2)  # (B, KV, 2T, hd)
+    before = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
+    mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=q.device)], dim=1)  # (T, 2T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class LoopedLM(nn.Module):
@@ -115,18 +135,35 @@ class LoopedLM(nn.Module):
             for lin in (layer.wo, layer.down):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.block_count * 8))
 
-    def hidden_states(self, idx: torch.Tensor, loops: int, exits: set[int]) -> dict[int, torch.Tensor]:
-        """Residual stream after each loop in `exits` (1-based)."""
-        x = self.embed(idx)
-        for layer in self.prelude:
-            x = layer(x, self.cos, self.sin)
+    def hidden_states(
+        self, idx: torch.Tensor, loops: int, exits: set[int], kv_share: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Residual stream after each loop in `exits` (1-based). With `kv_share`, the block's layers attend to past
+        positions through the last loop's K/V, as decoding with `kv_share="last"` does: a first pass without
+        gradients computes those K/V (as a plain forward pass, which is what a prompt leaves in the shared cache),
+        the second runs every loop against them."""
+        past: list[KV | None] = [None] * len(self.block)
+        if kv_share:
+            with torch.no_grad():
+                x = self._prelude(idx)
+                for _ in range(loops):
+                    for j, layer in enumerate(self.block):
+                        x, kv = layer(x, self.cos, self.sin)
+                        past[j] = (kv[0].detach(), kv[1].detach())
+        x = self._prelude(idx)
         out = {}
         for d in range(1, loops + 1):
-            for layer in self.block:
-                x = layer(x, self.cos, self.sin)
+            for j, layer in enumerate(self.block):
+                x, _ = layer(x, self.cos, self.sin, past[j])
             if d in exits:
                 out[d] = x
         return out
+
+    def _prelude(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.prelude:
+            x, _ = layer(x, self.cos, self.sin)
+        return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.out_norm(h) @ self.embed.weight.T

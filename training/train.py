@@ -83,15 +83,21 @@ def compile_hot_paths(model: LoopedLM):
 
 
 @torch.no_grad()
-def evaluate(model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max_tokens: int) -> dict[int, float]:
-    """Held-out perplexity at each depth (non-overlapping windows)."""
+def evaluate(
+    model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max_tokens: int, kv_share: bool = False
+) -> dict[int, float]:
+    """Held-out perplexity at each depth (non-overlapping windows); with `kv_share`, each depth as decoding with
+    `kv_share="last"` at that depth reads it."""
     model.eval()
     n = min(len(data) - 1, max_tokens) // ctx
     x = torch.from_numpy(data[: n * ctx].astype(np.int64)).view(n, ctx)
     y = torch.from_numpy(data[1 : n * ctx + 1].astype(np.int64)).view(n, ctx)
     totals = {d: 0.0 for d in depths}
     for i in range(0, n, 8):
-        hs = model.hidden_states(x[i : i + 8], max(depths), set(depths))
+        if kv_share:
+            hs = {d: model.hidden_states(x[i : i + 8], d, {d}, kv_share=True)[d] for d in depths}
+        else:
+            hs = model.hidden_states(x[i : i + 8], max(depths), set(depths))
         for d in depths:
             logits = model.logits(hs[d].float())
             totals[d] += F.cross_entropy(
@@ -145,6 +151,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--loops-max", type=int, default=10)
     ap.add_argument("--exit-weights", type=str, default="1:0.1,2:0.2,half:0.2,last:1.0")
     ap.add_argument("--shallow-frac", type=float, default=0.125)
+    ap.add_argument(
+        "--kv-share-frac",
+        type=float,
+        default=0.0,
+        help="share of steps trained as kv_share='last' decoding reads the model (final exit only)",
+    )
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
@@ -197,10 +209,13 @@ def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, 
     for g in opt.param_groups:
         g["lr"] = lr
     L = random.randint(args.loops_min, args.loops_max)
+    shared = random.random() < args.kv_share_frac
     exits = {1: float(weights["1"]), 2: float(weights["2"]), max(1, L // 2): float(weights["half"])}
+    if shared:  # the shallow exits read the deeper loops' K/V here, which no decoding does: the final exit only
+        exits = {}
     exits[L] = float(weights["last"])
     with amp:
-        hs = model.hidden_states(x, L, set(exits))
+        hs = model.hidden_states(x, L, set(exits), kv_share=shared)
         losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
         loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
     opt.zero_grad(set_to_none=True)
@@ -252,13 +267,15 @@ def main() -> int:
         if step % 20 == 0:
             print(
                 f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
-                f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses[1].item():.3f}  lr {lr:.2e}",
+                f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses.get(1, losses[L]).item():.3f}  "
+                f"lr {lr:.2e}",
                 flush=True,
             )
         if time.time() - last_eval > args.eval_every * 60:
             ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-            log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
-            print(f"  held-out ppl {ppl}", flush=True)
+            shared = evaluate(model, held, args.context, [8], 16384, kv_share=True) if args.kv_share_frac else {}
+            log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
+            print(f"  held-out ppl {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
             last_eval = time.time()
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
