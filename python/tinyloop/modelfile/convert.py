@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from .._core import MAX_LOOPS
 from . import safetensors_read
 from .format import ModelConfig, write_model
 from .hf_tokenizer import chat_template, read_vocabulary
@@ -92,6 +93,7 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int | None) ->
         hf.get("head_dim") in (None, dim // heads) and dim % heads == 0,
         f"head_dim {hf.get('head_dim')} with hidden_size {dim} and {heads} heads: only hidden_size / heads",
     )
+    _refuse_unless(loops is None or 1 <= loops <= MAX_LOOPS, f"--loops {loops}: must be in 1..{MAX_LOOPS}")
     theta, scaling = rope(hf)
     ouro = arch == "OuroForCausalLM"
     steps = int(hf.get("total_ut_steps", 4)) if ouro else 1
@@ -102,7 +104,7 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int | None) ->
         ffn_dim=int(hf["intermediate_size"]),
         block_count=int(hf["num_hidden_layers"]),
         prelude_count=0,
-        default_loops=loops or steps,
+        default_loops=steps if loops is None else loops,
         max_trained_loops=steps,
         context_length=int(hf.get("max_position_embeddings", 2048)),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
