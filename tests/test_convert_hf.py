@@ -151,7 +151,7 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path):
         with pytest.raises(ConvertError, match=message):
             convert(directory, tmp_path / "x.tinyloop", progress=False)
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConvertError, match="--loops 0: must be in 1..64"):
+    with pytest.raises(ConvertError, match=r"--loops 0: must be in 1\.\.64"):
         convert(directory, tmp_path / "x.tinyloop", loops=0, progress=False)
     tok = json.loads((directory / "tokenizer.json").read_text())
     tok["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\w+|\s+"

@@ -16,7 +16,7 @@ from tinyloop.modelfile.format import ModelConfig, write_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 
-from model import LoopedLM, TrainConfig  # noqa: E402
+from model import LoopedLM, TrainConfig
 
 CFG = TrainConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, vocab_size=50257, context=64)
 LOOPS = 3
