@@ -292,16 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s on http://%s:%d/v1", model, args.host, args.port)
 
     from granian import Granian
-    from granian.constants import Interfaces
+    from granian.constants import Interfaces, Loops
 
     # workers_kill_timeout: the worker drains its requests on SIGTERM (lifecycle.py) within a few seconds; if it
-    # ever does not, it is killed rather than holding the process open.
+    # ever does not, it is killed rather than holding the process open. loop: asyncio's, always — granian picks
+    # uvloop when it is installed, and under uvloop the worker does not stop gracefully on SIGTERM (it is killed at
+    # the timeout), so whether a shutdown drains would depend on what else is installed.
     Granian(
         "tinyloop.server.app:create_app",
         factory=True,
         address=args.host,
         port=args.port,
         interface=Interfaces.ASGI,
+        loop=Loops.asyncio,
         workers=1,
         log_level=args.log_level,
         log_access=False,
