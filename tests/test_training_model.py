@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import tinyloop
-from tinyloop.modelfile.format import ModelConfig, write_model
+from tinyloop.modelfile.format import write_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 
-from model import LoopedLM, TrainConfig
+from model import LoopedLM, TrainConfig, file_config
 
 CFG = TrainConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, block_count=2, vocab_size=50257, context=64)
 LOOPS = 3
@@ -30,20 +30,7 @@ def trained(tmp_path_factory):
         for p in model.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim == 2 else 1 + 0.1 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("train") / "m.tinyloop"
-    c = CFG
-    cfg = ModelConfig(
-        dim=c.dim,
-        n_heads=c.n_heads,
-        n_kv_heads=c.n_kv_heads,
-        ffn_dim=c.ffn_dim,
-        block_count=c.block_count,
-        default_loops=LOOPS,
-        max_trained_loops=LOOPS,
-        context_length=c.context,
-        rms_eps=c.rms_eps,
-        rope_theta=c.rope_theta,
-    )
-    write_model(path, cfg, model.export_weights(), weight_type="F32")
+    write_model(path, file_config(CFG, LOOPS, LOOPS), model.export_weights(), weight_type="F32")
     return model, path
 
 

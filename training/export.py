@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import LoopedLM, TrainConfig
+from model import LoopedLM, TrainConfig, file_config
 
 
 def load(path: Path) -> LoopedLM:
@@ -53,24 +53,10 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    from tinyloop.modelfile.format import ModelConfig, write_model
+    from tinyloop.modelfile.format import write_model
 
     model = load(args.checkpoint)
-    c = model.cfg
-    cfg = ModelConfig(
-        dim=c.dim,
-        n_heads=c.n_heads,
-        n_kv_heads=c.n_kv_heads,
-        ffn_dim=c.ffn_dim,
-        block_count=c.block_count,
-        prelude_count=c.prelude_count,
-        default_loops=args.default_loops,
-        max_trained_loops=args.max_trained_loops,
-        context_length=c.context,
-        rms_eps=c.rms_eps,
-        rope_theta=c.rope_theta,
-        name=args.name,
-    )
+    cfg = file_config(model.cfg, args.default_loops, args.max_trained_loops, args.name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     template = None if str(args.chat_template) == "none" else args.chat_template.read_text(encoding="utf-8")
     write_model(

@@ -177,3 +177,23 @@ class LoopedLM(nn.Module):
                 for name, attr in parts.items():
                     w[f"{prefix}.{i}.{name}.weight"] = getattr(layer, attr).weight
         return {k: v.detach().float().cpu().numpy() for k, v in w.items()}
+
+
+def file_config(c: TrainConfig, default_loops: int, max_trained_loops: int, name: str = "tinyloop"):
+    """The `.tinyloop` file's shape (`tinyloop.modelfile.format.ModelConfig`) of a model trained with `c`."""
+    from tinyloop.modelfile.format import ModelConfig
+
+    return ModelConfig(
+        dim=c.dim,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        ffn_dim=c.ffn_dim,
+        block_count=c.block_count,
+        prelude_count=c.prelude_count,
+        default_loops=default_loops,
+        max_trained_loops=max_trained_loops,
+        context_length=c.context,
+        rms_eps=c.rms_eps,
+        rope_theta=c.rope_theta,
+        name=name,
+    )
