@@ -259,9 +259,12 @@ impl PySpeculative {
     }
 }
 
-/// Adaptive depth: each generated token stops looping after loop `d >= max(min_loops, 2)` once the KL divergence of
-/// its exit distribution at `d` from the one at `d - 1` is below `threshold`, and at `max_loops` at the latest (the
-/// model's default loops when None). `loops="auto"` is `AutoDepth()`. Checked when a generation starts.
+/// Adaptive depth: each generated token stops looping once the model's exit rule is met, and at `max_loops` at the
+/// latest (the model's default loops when None). Without an exit gate in the file: after loop `d >= max(min_loops,
+/// 2)` once the KL divergence of its exit distribution at `d` from the one at `d - 1` is below `threshold`; with one
+/// (Ouro's): after loop `d >= min_loops` once the gate's cumulative exit probability reaches `threshold`.
+/// `threshold=None` is the model's default (`Engine.exit_threshold`). `loops="auto"` is `AutoDepth()`. Checked
+/// when a generation starts.
 #[pyclass(name = "AutoDepth", frozen, from_py_object, module = "tinyloop._core")]
 #[derive(Clone)]
 struct PyAutoDepth {
@@ -272,8 +275,8 @@ struct PyAutoDepth {
 #[pymethods]
 impl PyAutoDepth {
     #[new]
-    #[pyo3(signature = (min_loops=RsAutoDepth::DEFAULT_MIN_LOOPS, max_loops=None, threshold=RsAutoDepth::DEFAULT_THRESHOLD))]
-    fn new(min_loops: usize, max_loops: Option<usize>, threshold: f32) -> Self {
+    #[pyo3(signature = (min_loops=RsAutoDepth::DEFAULT_MIN_LOOPS, max_loops=None, threshold=None))]
+    fn new(min_loops: usize, max_loops: Option<usize>, threshold: Option<f32>) -> Self {
         Self { rule: RsAutoDepth { min_loops, threshold }, max_loops }
     }
 
@@ -286,13 +289,15 @@ impl PyAutoDepth {
         self.max_loops
     }
     #[getter]
-    fn threshold(&self) -> f32 {
+    fn threshold(&self) -> Option<f32> {
         self.rule.threshold
     }
 
     fn __repr__(&self) -> String {
-        let max = self.max_loops.map_or("None".to_string(), |l| l.to_string());
-        format!("AutoDepth(min_loops={}, max_loops={max}, threshold={})", self.rule.min_loops, self.rule.threshold)
+        let show = |v: Option<String>| v.unwrap_or_else(|| "None".to_string());
+        let max = show(self.max_loops.map(|l| l.to_string()));
+        let threshold = show(self.rule.threshold.map(|t| t.to_string()));
+        format!("AutoDepth(min_loops={}, max_loops={max}, threshold={threshold})", self.rule.min_loops)
     }
 }
 
@@ -749,6 +754,22 @@ impl Engine {
     #[getter]
     fn generation_defaults(&self) -> std::collections::BTreeMap<String, f64> {
         self.inner.generation.iter().cloned().collect()
+    }
+
+    /// Adaptive depth's rule on this model: "gate" (the file's exit gate) or "settle" (`AutoDepth`).
+    #[getter]
+    fn exit_rule(&self) -> &'static str {
+        if self.inner.model.exit_gated() {
+            "gate"
+        } else {
+            "settle"
+        }
+    }
+
+    /// The exit threshold `loops="auto"` uses when a request gives none (the file's, else the rule's default).
+    #[getter]
+    fn exit_threshold(&self) -> f32 {
+        self.inner.model.default_exit_threshold()
     }
 
     #[getter]

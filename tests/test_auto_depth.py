@@ -13,6 +13,7 @@ import pytest
 
 import tinyloop
 from reference import head_logits, layer_over_past
+from shapes import TINY
 from tinyloop import AutoDepth, SamplingParams
 
 
@@ -250,6 +251,23 @@ def test_with_loops_sharing_kv_threshold_zero_is_the_shared_fixed_depth(tiny):
     assert list(auto.tokens) == list(fixed.tokens) and auto.auto_loops == (7, 28)
     early = engine.generate(prompt, greedy, loops=AutoDepth(min_loops=2, max_loops=4, threshold=1e9))
     assert early.auto_loops == (7, 14)  # every token stops at its first check
+
+
+def test_the_files_exit_threshold_is_the_default(tiny, model_factory):
+    """`tinyloop.exit_threshold` is what `"auto"` uses when the request gives no threshold (and a request's wins)."""
+    import dataclasses
+
+    plain = tinyloop.Engine(tiny.path)
+    assert plain.exit_rule == "settle" and plain.exit_threshold == pytest.approx(3e-3)
+    eager = model_factory(dataclasses.replace(TINY, exit_threshold=1e9, name="tiny-eager"), seed=0)
+    engine = tinyloop.Engine(eager.path)
+    assert engine.exit_threshold == pytest.approx(1e9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = _prompt(10, seed=4)
+    assert engine.generate(prompt, greedy, loops=AutoDepth(max_loops=4)).auto_loops == (7, 14)  # the first check
+    explicit = engine.generate(prompt, greedy, loops=AutoDepth(max_loops=4, threshold=0.0))
+    assert explicit.auto_loops == (7, 28)
+    assert list(explicit.tokens) == list(plain.generate(prompt, greedy, loops=4).tokens)
 
 
 def test_the_command_line_takes_auto(tiny, capsys):

@@ -1,6 +1,6 @@
 """`tinyloop convert` on Ouro checkpoints, against an independent PyTorch reference of Ouro's architecture
 (tests/ouro_reference.py): logits at every depth, greedy continuations, GPTQ's calibration forward, and the looped
-model's own modes — self-speculative decoding from its shallow loops, adaptive depth."""
+model's own modes — self-speculative decoding from its shallow loops, adaptive depth by its exit gate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 import tinyloop
-from ouro_reference import build_ouro_checkpoint, forward
+from ouro_reference import build_ouro_checkpoint, forward, score_gated
 from tinyloop.modelfile.convert import convert
 from tinyloop.modelfile.format import model_config, read_gguf
 
@@ -63,8 +63,41 @@ def test_greedy_continuation_and_self_speculation(ouro):
     assert engine.generate(ids, params).tokens == want[len(ids) :]
     drafted = engine.generate(ids, params, draft=(1, 3))  # drafts from one step, verified at four
     assert drafted.tokens == want[len(ids) :] and drafted.draft_proposed > 0
+    # "auto" follows the exit gate with the config's threshold, 1.0: never before the last step.
+    assert (engine.exit_rule, engine.exit_threshold) == ("gate", 1.0)
     adaptive = engine.generate(ids, params, loops="auto")
-    assert len(adaptive.tokens) == 16 and 1 <= adaptive.auto_loops[1] / adaptive.auto_loops[0] <= 4
+    assert adaptive.tokens == want[len(ids) :] and adaptive.auto_loops == (15, 60)  # the first: the prompt's pass
+    with pytest.raises(tinyloop.InvalidRequestError, match="exit gate"):
+        engine.generate(ids, params, loops=tinyloop.AutoDepth(min_loops=2), draft=(1, 3))
+
+
+def _clear_gate_threshold(cfg, weights, ids, min_steps):
+    """A threshold at which the reference's tokens exit at different steps, at least 0.002 from every cumulative exit
+    probability it meets (so float rounding cannot move an exit), with the reference's result."""
+    for q in np.arange(0.3, 0.96, 0.01):
+        logps, depths, cdfs = score_gated(cfg, weights, ids, 4, min_steps, float(q))
+        if len(set(depths[1:])) >= 2 and min(abs(c - q) for seen in cdfs for c in seen) > 0.002:
+            return float(q), logps, depths
+    raise AssertionError("no threshold clear of the gate's values")
+
+
+@pytest.mark.parametrize("min_steps", [1, 2])
+def test_adaptive_depth_follows_the_exit_gate(ouro, min_steps):
+    """Q-exit with the skipped steps' K/V filled from the exit step's, against the reference decoding the same way."""
+    cfg, weights, out, ids = ouro
+    ids = ids[:40]
+    with torch.no_grad():
+        q, want_lp, want_depths = _clear_gate_threshold(cfg, weights, ids, min_steps)
+    assert min(want_depths) >= min_steps
+    engine = tinyloop.Engine(out)
+    got_lp, got_depths = engine.score_auto(ids, tinyloop.AutoDepth(min_loops=min_steps, threshold=q))
+    assert got_depths == want_depths
+    assert np.abs(np.array(got_lp) - np.array(want_lp)).max() < 1e-3
+    # and in generation: fewer steps than fixed depth, the same rule
+    params = tinyloop.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out_auto = engine.generate(ids, params, loops=tinyloop.AutoDepth(min_loops=min_steps, threshold=q))
+    tokens, steps = out_auto.auto_loops
+    assert tokens == 11 and min_steps * 11 <= steps < 4 * 11
 
 
 def test_gptq_calibration_forward_matches_the_reference(ouro):

@@ -161,6 +161,7 @@ def test_bad_optional_keys_of_converted_checkpoints(tmp_path, contents):
         ({"tokenizer.ggml.add_bos_token": (1, V.UINT32)}, "tokenizer.ggml.add_bos_token: expected a bool"),
         ({"tinyloop.rope.scaling.type": ("yarn", V.STRING)}, 'tinyloop.rope.scaling.type: is "yarn"'),
         ({"tinyloop.generation.min_p": (0.1, V.FLOAT32)}, "tinyloop.generation.min_p: not a generation field"),
+        ({"tinyloop.exit_threshold": (-1.0, V.FLOAT32)}, "tinyloop.exit_threshold: -1 must be a finite number >= 0"),
         ({"tinyloop.generation.temperature": (3.0, V.FLOAT32)}, "tinyloop.generation.temperature: 3 is outside"),
         (
             {"tinyloop.rope.scaling.type": ("linear", V.STRING), "tinyloop.rope.scaling.factor": (0.0, V.FLOAT32)},

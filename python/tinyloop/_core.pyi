@@ -185,17 +185,20 @@ class Speculative:
 
 @final
 class AutoDepth:
-    """Adaptive depth: each generated token stops looping after loop d >= max(min_loops, 2) once the KL divergence
-    of its exit distribution at d from the one at d - 1 is below `threshold`, and at `max_loops` at the latest (the
-    model's default loops when None). `loops="auto"` is `AutoDepth()`. Frozen; checked when a generation starts."""
+    """Adaptive depth: each generated token stops looping once the model's exit rule is met, and at `max_loops` at
+    the latest (the model's default loops when None). Without an exit gate in the file: after loop d >=
+    max(min_loops, 2) once the KL divergence of its exit distribution at d from the one at d - 1 is below
+    `threshold`; with one (Ouro's): after loop d >= min_loops once the gate's cumulative exit probability reaches
+    `threshold`. `threshold=None` is the model's default (`Engine.exit_threshold`). `loops="auto"` is
+    `AutoDepth()`. Frozen; checked when a generation starts."""
 
-    def __new__(cls, min_loops: int = ..., max_loops: int | None = None, threshold: float = ...) -> Self: ...
+    def __new__(cls, min_loops: int = ..., max_loops: int | None = None, threshold: float | None = None) -> Self: ...
     @property
     def min_loops(self) -> int: ...
     @property
     def max_loops(self) -> int | None: ...
     @property
-    def threshold(self) -> float: ...
+    def threshold(self) -> float | None: ...
 
 @final
 class Grammar:
@@ -356,6 +359,12 @@ class Engine:
         """The sampling settings the file recommends (`tinyloop.generation.*`: temperature, top_p, top_k,
         repetition_penalty, presence_penalty, frequency_penalty), by field name; the server uses them where a
         request and its own defaults say nothing."""
+    @property
+    def exit_rule(self) -> Literal["settle", "gate"]:
+        """Adaptive depth's rule on this model: "gate" (the file's exit gate) or "settle" (`AutoDepth`)."""
+    @property
+    def exit_threshold(self) -> float:
+        """The exit threshold `loops="auto"` uses when a request gives none (the file's, else the rule's default)."""
     @property
     def eos_token_id(self) -> int: ...
     @property

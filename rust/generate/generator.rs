@@ -66,6 +66,11 @@ impl Generator {
             "speculative decoding verifies drafts against every loop's KV; this engine shares the last loop's \
              (kv_share=\"last\"): leave draft settings out"
         );
+        ensure_arg!(
+            generation.speculative.is_none() || generation.auto.is_none() || !engine.model.exit_gated(),
+            "with loops \"auto\", this model's exit gate decides each token's depth from its first loop on, which \
+             drafts skip: leave draft settings out"
+        );
         let constraint = generation.grammar.as_ref().map(|g| engine.grammars.compile(g)).transpose()?;
         let Generation { params, speculative, cache_window, auto, .. } = generation;
         let needed = prompt.len() + params.max_tokens;

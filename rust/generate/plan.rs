@@ -70,11 +70,12 @@ impl Generation {
                 "min_loops must be at least 1 and at most max_loops, got {}",
                 auto.min_loops
             );
-            ensure_arg!(
-                auto.threshold.is_finite() && auto.threshold >= 0.0,
-                "exit_threshold must be a finite number >= 0, got {}",
-                auto.threshold
-            );
+            if let Some(threshold) = auto.threshold {
+                ensure_arg!(
+                    threshold.is_finite() && threshold >= 0.0,
+                    "exit_threshold must be a finite number >= 0, got {threshold}"
+                );
+            }
         }
         match &self.speculative {
             Some(spec) => spec.validate(&self.params, self.loops),
@@ -170,7 +171,7 @@ mod tests {
         assert!(Generation { loops: Some(8), ..spec(2, 8, 4, 1) }.validate().is_ok());
         let auto = |min_loops, threshold| Generation {
             loops: Some(8),
-            auto: Some(AutoDepth { min_loops, threshold }),
+            auto: Some(AutoDepth { min_loops, threshold: Some(threshold) }),
             ..Default::default()
         };
         assert!(auto(2, 0.01).validate().is_ok() && auto(8, 0.0).validate().is_ok());
@@ -179,7 +180,7 @@ mod tests {
         assert!(error(&auto(2, f32::NAN)).contains("exit_threshold"));
         assert!(error(&auto(2, -1.0)).contains("exit_threshold"));
         let with_rule =
-            |min_loops, g: Generation| Generation { auto: Some(AutoDepth { min_loops, threshold: 0.01 }), ..g };
+            |min_loops, g: Generation| Generation { auto: Some(AutoDepth { min_loops, threshold: Some(0.01) }), ..g };
         assert!(with_rule(3, spec(2, 8, 4, 1)).validate().is_ok() && with_rule(2, spec(1, 8, 4, 1)).validate().is_ok());
         assert!(error(&with_rule(2, spec(2, 8, 4, 1))).contains("draft_loops (2) must be below max(min_loops, 2) (2)"));
         assert!(error(&with_rule(4, spec(1, 8, 4, 2))).contains("K_branches"));

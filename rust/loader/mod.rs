@@ -248,6 +248,7 @@ fn read_config(r: &Reader) -> Result<Config> {
         attn_bias: false,  // set from the tensors below
         post_norms: false, // set from the tensors below
         exit_gate: false,  // set from the tensors below
+        exit_threshold: read_exit_threshold(r)?,
         loop_norm: match r.metadata.get(LOOP_NORM) {
             None => false,
             Some(Value::Bool(b)) => *b,
@@ -255,6 +256,17 @@ fn read_config(r: &Reader) -> Result<Config> {
         },
         rope_scaling: read_rope_scaling(r)?,
     })
+}
+
+/// `tinyloop.exit_threshold`, if the file has it: a finite number >= 0.
+fn read_exit_threshold(r: &Reader) -> Result<Option<f32>> {
+    if !r.metadata.contains_key(EXIT_THRESHOLD) {
+        return Ok(None);
+    }
+    match r.float(EXIT_THRESHOLD)? {
+        t if t.is_finite() && t >= 0.0 => Ok(Some(t as f32)),
+        t => Err(r.err(EXIT_THRESHOLD, format!("{t} must be a finite number >= 0"))),
+    }
 }
 
 /// `tinyloop.rope.scaling.type` and its parameters, if the file has them.
@@ -337,6 +349,7 @@ fn read_vocab(r: &mut Reader) -> Result<VocabData> {
 
 const END_IDS: &str = "tinyloop.end_token_ids";
 const LOOP_NORM: &str = "tinyloop.loop_norm";
+const EXIT_THRESHOLD: &str = "tinyloop.exit_threshold";
 const ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 
 /// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
@@ -539,6 +552,7 @@ mod tests {
             attn_bias: false,
             post_norms: false,
             exit_gate: false,
+            exit_threshold: None,
             loop_norm: false,
             rope_scaling: None,
         }

@@ -24,9 +24,11 @@ pub struct Config {
     /// Each layer norms its attention and feed-forward outputs before adding them (`blk.N.attn_post_norm` …:
     /// Ouro's "sandwich" layers).
     pub post_norms: bool,
-    /// The file carries an early-exit gate (`exit_gate.weight`, `exit_gate.bias`: Ouro's); the engine does not
-    /// read it — adaptive depth uses its own rule (`depth.rs`).
+    /// The file carries an early-exit gate (`exit_gate.weight`, `exit_gate.bias`: Ouro's), which adaptive depth
+    /// then follows (`depth.rs`).
     pub exit_gate: bool,
+    /// The model's default exit threshold for adaptive depth under its rule (`tinyloop.exit_threshold`).
+    pub exit_threshold: Option<f32>,
     /// `output_norm` is applied after every loop and the normed state is what the next loop reads (Ouro's
     /// recurrence); the head then reads it as it is (`tinyloop.loop_norm`).
     pub loop_norm: bool,

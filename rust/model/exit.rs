@@ -1,13 +1,13 @@
-//! Adaptive depth (`loops: "auto"`, the rule in `depth.rs`): rows that run loops one at a time and stop when their
-//! next-token distribution has settled. A decode row that stops leaves the passes — the rows still looping share the
+//! Adaptive depth (`loops: "auto"`, the rules in `depth.rs`): rows that run loops one at a time and stop when the
+//! model's exit rule says so (their next-token distribution has settled, or the file's exit gate is confident). A decode row that stops leaves the passes — the rows still looping share the
 //! rest; a speculative round's rows stop one by one and stay in the passes until the last one stops, a stopped row
 //! holding its exit loop's K/V in each later loop (`SeqChunk::exits`). The loops a row skipped keep its last loop's
 //! K/V at its position (`KvCache::copy_position`), so a later token running those loops attends to it there.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::{AutoDepth, Model, RowBlock, SeqChunk};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::profile::{self, Stage};
 
 impl Model {
@@ -19,6 +19,8 @@ impl Model {
     /// row's exit-loop K/V.
     pub fn run_auto(&self, blocks: &mut [RowBlock], rules: &[AutoDepth]) -> Result<Vec<Vec<usize>>> {
         debug_assert!(blocks.iter().all(|b| b.seq.tree.is_none() && b.seq.exits.is_none()));
+        // The gate's survival product starts at loop 1: its rows enter at loop 0 (drafts are refused with it).
+        debug_assert!(!self.exit_gated() || blocks.iter().all(|b| b.loops.start == 0));
         let ends: Vec<usize> = blocks.iter().map(|b| b.loops.end).collect();
         let mut exits: Vec<Vec<usize>> = blocks.iter().map(|b| vec![usize::MAX; b.seq.tokens.len()]).collect();
         let mut held: Vec<Vec<Option<Tensor>>> = exits.iter().map(|e| vec![None; e.len()]).collect();
@@ -105,8 +107,9 @@ impl Model {
         Ok(())
     }
 
-    /// After loop `d = at(block)` (0: not now): each running row that its rule checks from `d + 1` or `d` on gets
-    /// its exit distribution; a row whose divergence from the previous loop's is below the threshold stops at `d`.
+    /// After loop `d = at(block)` (0: not now): each running row gets its rule's measure — the exit distribution
+    /// (settling, from loop `first_check − 1`) or its survival `Π (1 − λ_j)` (the gate, from loop 1) — kept in
+    /// `prev`; a row whose rule is met at `d ≥ first_check` stops at `d`.
     fn exit_checks(
         &self,
         blocks: &[RowBlock],
@@ -116,10 +119,11 @@ impl Model {
         prev: &mut [Vec<Option<Vec<f32>>>],
         at: impl Fn(&RowBlock) -> usize,
     ) -> Result<()> {
+        let gated = self.exit_gated();
         let mut want = Vec::new();
         for (i, b) in blocks.iter().enumerate() {
             let d = at(b);
-            if d == 0 || d >= b.loops.end || d + 1 < rules[i].first_check() {
+            if d == 0 || d >= b.loops.end || (!gated && d + 1 < rules[i].first_check(false)) {
                 continue;
             }
             want.extend((0..exits[i].len()).filter(|&r| exits[i][r] == usize::MAX).map(|r| (i, r, d)));
@@ -129,17 +133,34 @@ impl Model {
         }
         let h: Vec<Tensor> =
             want.iter().map(|&(i, r, _)| blocks[i].x.narrow(0, r, 1)).collect::<candle_core::Result<_>>()?;
-        let logp = self.exit_logprobs(&Tensor::cat(&h, 0)?)?;
-        for ((i, r, d), (cur, x)) in want.into_iter().zip(logp.into_iter().zip(h)) {
-            let rule = rules[i];
-            let settled = prev[i][r].as_ref().is_some_and(|p| kl_divergence(&cur, p) < rule.threshold);
-            if d >= rule.first_check() && settled {
+        let h_all = Tensor::cat(&h, 0)?;
+        let measures = match gated {
+            true => self.exit_gate_probs(&h_all)?.into_iter().map(|p| vec![p]).collect(),
+            false => self.exit_logprobs(&h_all)?,
+        };
+        for ((i, r, d), (cur, x)) in want.into_iter().zip(measures.into_iter().zip(h)) {
+            let threshold = rules[i].threshold.unwrap_or_else(|| self.default_exit_threshold());
+            let (met, keep) = match gated {
+                true => {
+                    let survival = prev[i][r].as_ref().map_or(1.0, |s| s[0]) * (1.0 - cur[0]);
+                    (1.0 - survival >= threshold, vec![survival])
+                }
+                false => (prev[i][r].as_ref().is_some_and(|p| kl_divergence(&cur, p) < threshold), cur),
+            };
+            if d >= rules[i].first_check(gated) && met {
                 exits[i][r] = d;
                 held[i][r] = Some(x);
             }
-            prev[i][r] = Some(cur);
+            prev[i][r] = Some(keep);
         }
         Ok(())
+    }
+
+    /// The exit gate's probability `σ(w · h + b)` for each of the hidden rows `h (n, dim)`, on their normed states.
+    fn exit_gate_probs(&self, h: &Tensor) -> Result<Vec<f32>> {
+        let (w, b) = self.exit_gate.as_ref().ok_or_else(|| Error::Internal("no exit gate".into()))?;
+        let z = self.final_norm(h)?.to_dtype(DType::F32)?.matmul(w)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(z.into_iter().map(|z| 1.0 / (1.0 + (-(z + b)).exp())).collect())
     }
 
     /// Log-probabilities of the exit distribution of hidden rows `h (n, dim)`: over the draft vocabulary with the

@@ -44,6 +44,8 @@ pub struct Model {
     /// The head over the file's draft vocabulary, for speculative drafts (used while `use_draft_head`).
     draft_head: Option<DraftHead>,
     use_draft_head: bool,
+    /// The early-exit gate (`exit_gate.weight` as `(dim, 1)`, `exit_gate.bias`), when the file has one.
+    exit_gate: Option<(Tensor, f32)>,
     output_norm: Tensor,
     prelude: Vec<Layer>,
     block: Vec<Layer>,
@@ -83,6 +85,13 @@ impl Model {
         let embd = Linear::new(embd_t)?;
         let head = if tied { embd.clone() } else { Linear::new(head_t)? };
         let output_norm = norm(&mut tensors, "output_norm.weight")?;
+        let exit_gate = match cfg.exit_gate {
+            true => Some((
+                norm(&mut tensors, "exit_gate.weight")?.t()?.contiguous()?,
+                norm(&mut tensors, "exit_gate.bias")?.to_vec1::<f32>()?[0],
+            )),
+            false => None,
+        };
         let layer_bytes: usize = tensors
             .iter()
             .filter(|(name, _)| name.starts_with("pre.") || name.starts_with("blk."))
@@ -104,6 +113,7 @@ impl Model {
             head,
             draft_head,
             use_draft_head,
+            exit_gate,
             output_norm,
             prelude,
             block,
@@ -111,6 +121,19 @@ impl Model {
             kv_kind,
             kv_share: false,
             split_batches,
+        })
+    }
+
+    /// Whether adaptive depth follows the file's exit gate (else the settling rule; `AutoDepth`).
+    pub fn exit_gated(&self) -> bool {
+        self.exit_gate.is_some()
+    }
+
+    /// The exit threshold of `loops: "auto"` when a request gives none: the file's, else the rule's default.
+    pub fn default_exit_threshold(&self) -> f32 {
+        self.cfg.exit_threshold.unwrap_or(match self.exit_gated() {
+            true => AutoDepth::DEFAULT_GATE_THRESHOLD,
+            false => AutoDepth::DEFAULT_THRESHOLD,
         })
     }
 

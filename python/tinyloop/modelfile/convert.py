@@ -8,7 +8,8 @@ Ouro (`OuroForCausalLM`, ByteDance's looped models) is a looped model already: a
 `total_ut_steps` times (the default loops). Its layers norm each sublayer's output before the residual add (the
 `input_layernorm_2` / `post_attention_layernorm_2` tensors become `attn_post_norm` / `ffn_post_norm`), and every
 recurrent step ends with the final norm, whose output the next step reads (`tinyloop.loop_norm`). Its early-exit
-gate is carried in the file (`exit_gate.*`).
+gate is carried in the file (`exit_gate.*`) and is what `loops: "auto"` follows on it, with the config's
+`early_exit_threshold` as the default threshold (`tinyloop.exit_threshold`).
 
 What changes on the way: Hugging Face's RoPE rotates the two halves of each head (`rotate_half`) where tinyloop
 rotates adjacent pairs, so the rows of each head's Q and K projections (and Qwen2's Q and K biases) are interleaved —
@@ -116,6 +117,8 @@ def model_config(hf: dict[str, Any], rows: int, name: str, loops: int | None) ->
         post_norms=ouro,
         loop_norm=ouro,
         exit_gate=ouro,
+        # Ouro's Q-exit: a token stops once the gate's cumulative exit probability reaches this (1.0: never early).
+        exit_threshold=float(hf.get("early_exit_threshold", 1.0)) if ouro else None,
         rope_scaling=scaling,
     )
 

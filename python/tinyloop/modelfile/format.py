@@ -54,6 +54,7 @@ class ModelConfig:
     attn_bias: bool = False  # True adds blk.N.attn_{q,k,v}.bias (Qwen2's layers)
     post_norms: bool = False  # True adds blk.N.attn_post_norm / ffn_post_norm (Ouro's sandwich layers)
     loop_norm: bool = False  # output_norm after every loop, its output carried (Ouro's recurrence)
+    exit_threshold: float | None = None  # loops "auto"'s default threshold under the model's rule
     exit_gate: bool = False  # True adds exit_gate.weight (1, dim) and exit_gate.bias (1,) (Ouro's early-exit gate)
     # RoPE scaling, as tinyloop.rope.scaling.* keys without the prefix: {"type": "linear", "factor": 4.0} or
     # {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_context_length"}
@@ -159,6 +160,8 @@ def model_contents(
         meta[f"{ARCH}.{key}"] = (value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
     if cfg.loop_norm:
         meta[f"{ARCH}.loop_norm"] = (True, V.BOOL)
+    if cfg.exit_threshold is not None:
+        meta[f"{ARCH}.exit_threshold"] = (float(cfg.exit_threshold), V.FLOAT32)
     for key, value in (cfg.rope_scaling or {}).items():
         vtype = V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int) else V.FLOAT32
         meta[f"{ARCH}.rope.scaling.{key}"] = (value, vtype)
@@ -374,6 +377,7 @@ def model_config(contents: GGUFContents) -> ModelConfig:
         attn_bias="blk.0.attn_q.bias" in contents.tensors,
         post_norms="blk.0.attn_post_norm.weight" in contents.tensors,
         loop_norm=bool(meta.get(f"{ARCH}.loop_norm", (False,))[0]),
+        exit_threshold=meta.get(f"{ARCH}.exit_threshold", (None,))[0],
         exit_gate="exit_gate.weight" in contents.tensors,
         rope_scaling=scaling or None,
     )

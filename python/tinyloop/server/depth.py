@@ -39,7 +39,7 @@ class DepthFields(Strict):
         return AutoDepth(
             min_loops=self.min_loops or AutoDepth().min_loops,
             max_loops=verify_loops or self.max_loops,
-            threshold=AutoDepth().threshold if self.exit_threshold is None else self.exit_threshold,
+            threshold=self.exit_threshold,
         )
 
     def check_drafts(self, draft_loops: int, verify_loops: int | None, tree: bool) -> None:
