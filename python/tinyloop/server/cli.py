@@ -189,6 +189,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="kernels at most at this level (avx512, avx2, neon, scalar), else TINYLOOP_ISA, else the CPU's best",
     )
     p.add_argument("--commit", default=None, help="runtime.commit in /api/v0, else TINYLOOP_COMMIT, else the build's")
+    scale = p.add_argument_group("scale-out (tinyloop[ray]; docs/scale-out.md)")
+    scale.add_argument(
+        "--ray", action="store_true", help="serve as a Ray Serve application: replicas behind Ray's HTTP proxy"
+    )
+    scale.add_argument("--replicas", type=_positive, default=1, help="with --ray: engines, one per replica (1)")
+    scale.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="with --ray: CPUs Ray reserves for each replica (1)"
+    )
+    scale.add_argument(
+        "--ray-address", default=None, help="with --ray: an existing cluster's address (else a local one is started)"
+    )
     p.add_argument(
         "--log-level",
         default=env.get("TINYLOOP_LOG_LEVEL") or "info",
@@ -196,6 +207,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="else TINYLOOP_LOG_LEVEL, else info",
     )
     args = p.parse_args(argv)
+    if not args.ray and (args.replicas != 1 or args.ray_address is not None):
+        p.error("--replicas and --ray-address apply only with --ray")
     if args.log_level not in LOG_LEVELS:
         p.error(f"TINYLOOP_LOG_LEVEL: expected one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     if args.port is None:
@@ -290,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             args.host,
         )
     log.info("serving %s on http://%s:%d/v1", model, args.host, args.port)
+    if args.ray:
+        from .ray import run
+
+        return run(args.host, args.port, args.replicas, args.replica_cpus, args.ray_address)
 
     from granian import Granian
     from granian.constants import Interfaces, Loops

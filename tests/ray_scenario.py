@@ -1,0 +1,230 @@
+"""tinyloop on a local Ray cluster, driven end to end: `python tests/ray_scenario.py OUT.json [--fault]`.
+
+Run inside a network namespace of its own (`unshare -rn`, see `in_netns`): Ray's processes listen on more than
+loopback, and there nothing but loopback exists. Starts `tinyloop-serve --ray --replicas 2` on the embedded model,
+then records, as JSON for tests/test_ray_serve.py and benches/bench_ray_faults.py to judge:
+
+- `families`: one request of each API family through Ray's proxy (values, the replica header);
+- `affinity`: 8 interleaved 3-turn conversations — each turn's replica and cached prompt tokens;
+- with `--fault`: one replica killed (`ray.kill`, as a crash) while a stream it serves runs and other requests
+  wait on it — how the stream ended, what became of the waiting requests, how long until two replicas serve again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PORT = 8321
+BASE = f"http://127.0.0.1:{PORT}"
+REPLICA = "x-tinyloop-replica"
+
+
+def in_netns(argv: list[str]) -> list[str]:
+    """`argv` in a new user and network namespace: loopback only (see `loopback_up`)."""
+    return ["unshare", "-rn", *argv]
+
+
+def loopback_up() -> None:
+    """A new network namespace starts with `lo` down: bring it up (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 0x1))
+    s.close()
+
+
+def replica_ids() -> set[str]:
+    """The live replicas of the `Replica` deployment, by the id `x-tinyloop-replica` reports."""
+    import ray
+
+    prefix = "SERVE_REPLICA::tinyloop#Replica#"
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return {n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix)}
+
+
+def serve_status() -> dict[str, int]:
+    """Replica states of the `Replica` deployment (a second driver on the same cluster)."""
+    from ray import serve
+
+    app = serve.status().applications.get("tinyloop")
+    if app is None or "Replica" not in app.deployments:
+        return {}
+    return {str(k): int(v) for k, v in app.deployments["Replica"].replica_states.items()}
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(what)
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def chat(client: httpx.Client, messages: list[dict], **extra) -> tuple[str, dict]:
+    r = client.post("/v1/chat/completions", json={"model": "default", "messages": messages, **extra})
+    r.raise_for_status()
+    return r.headers[REPLICA], r.json()
+
+
+def families(client: httpx.Client) -> dict:
+    """One request per family, with what a test checks of each."""
+    out: dict = {}
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    replica, body = chat(client, msgs, max_tokens=6, temperature=0)
+    out["chat"] = {"replica": replica, "usage": body["usage"], "content": body["choices"][0]["message"]["content"]}
+    r = client.post("/v1/completions", json={"model": "default", "prompt": "The sea", "max_tokens": 5})
+    out["completions"] = {"status": r.status_code, "replica": r.headers.get(REPLICA), "body": r.json()}
+    with client.stream(
+        "POST", "/v1/chat/completions", json={"model": "default", "messages": msgs, "max_tokens": 6, "stream": True}
+    ) as r:
+        out["chat_stream"] = {"replica": r.headers.get(REPLICA), "type": r.headers["content-type"], "text": r.read()}
+    anth = {"model": "default", "max_tokens": 6, "messages": msgs, "stream": True}
+    with client.stream("POST", "/v1/messages", json=anth) as r:
+        out["messages_stream"] = {"replica": r.headers.get(REPLICA), "text": r.read()}
+    with client.stream(
+        "POST", "/v1/responses", json={"model": "default", "input": "Hi", "max_output_tokens": 6, "stream": True}
+    ) as r:
+        out["responses_stream"] = {"replica": r.headers.get(REPLICA), "text": r.read()}
+    r = client.get("/v1/models")
+    out["models"] = {"replica": r.headers.get(REPLICA), "body": r.json()}
+    r = client.post("/v1/chat/completions", json={"model": "default", "messages": msgs, "max_tokens": -1})
+    out["bad_request"] = {"status": r.status_code, "body": r.json()}
+    for key in ("chat_stream", "messages_stream", "responses_stream"):
+        out[key]["text"] = out[key]["text"].decode()
+    return out
+
+
+def affinity(client: httpx.Client, conversations: int = 8, turns: int = 3) -> list[list[dict]]:
+    """Interleaved multi-turn conversations: per conversation, each turn's replica and cached tokens."""
+    history = [
+        [{"role": "user", "content": f"Conversation {i}: what do you think of the number {i * 7}?"}]
+        for i in range(conversations)
+    ]
+    record: list[list[dict]] = [[] for _ in range(conversations)]
+    for turn in range(turns):
+        for i in range(conversations):
+            replica, body = chat(client, history[i], max_tokens=8, temperature=0)
+            usage = body["usage"]
+            cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            record[i].append({"replica": replica, "cached_tokens": cached, "prompt_tokens": usage["prompt_tokens"]})
+            history[i] += [body["choices"][0]["message"], {"role": "user", "content": f"And then {turn}?"}]
+    return record
+
+
+def fault(client: httpx.Client) -> dict:
+    """Kill the replica serving a running stream while other requests for the same conversation wait on it."""
+    import ray
+
+    msgs = [{"role": "user", "content": "Conversation 0: what do you think of the number 0?"}]
+    long = {"model": "default", "messages": msgs, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    out: dict = {}
+    waiting: list[dict] = []
+
+    def follow_up(k: int) -> None:
+        t = time.monotonic()
+        try:  # long enough to be running, its response not started, when the replica dies
+            replica, _ = chat(client, msgs, max_tokens=400, ignore_eos=True, temperature=0)
+            waiting.append({"ok": True, "replica": replica, "seconds": time.monotonic() - t})
+        except httpx.HTTPError as e:
+            waiting.append({"ok": False, "error": repr(e), "seconds": time.monotonic() - t})
+
+    with client.stream("POST", "/v1/chat/completions", json=long) as r:
+        victim = r.headers[REPLICA]
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        threads = [threading.Thread(target=follow_up, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the follow-ups are running beside the stream on its replica
+        killed_at = time.monotonic()
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::tinyloop#Replica#{victim}", namespace="serve"), no_restart=True)
+        rest = list(lines)
+        out["stream"] = {
+            "victim": victim,
+            "first": first,
+            "last_events": [x for x in rest if x][-3:],
+            "seconds_after_kill": time.monotonic() - killed_at,
+        }
+    for t in threads:
+        t.join(timeout=120)
+    out["waiting"] = waiting
+
+    def replaced() -> bool:
+        ids = replica_ids()
+        return victim not in ids and len(ids) == 2 and serve_status().get("RUNNING") == 2
+
+    out["recovered_seconds"] = time.monotonic() - killed_at + wait_for(replaced, 180, "a replacement replica")
+    out["replicas_after"] = sorted(replica_ids())
+    replica, body = chat(client, msgs, max_tokens=8, temperature=0)
+    out["after"] = {"replica": replica, "content": body["choices"][0]["message"]["content"]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--fault", action="store_true")
+    args = ap.parse_args()
+    loopback_up()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinyloop.server.cli",
+        "--ray",
+        "--replicas",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(PORT),
+        "--log-level",
+        "warning",
+        "--prompt-cache-entries",
+        "8",
+    ]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    result: dict = {}
+    try:
+        with httpx.Client(base_url=BASE, timeout=60) as client:
+            result["startup_seconds"] = wait_for(lambda: _healthy(client), 240, "the server")
+            import ray
+
+            ray.init(address="auto", namespace="serve", log_to_driver=False)
+            wait_for(lambda: serve_status().get("RUNNING") == 2, 120, "two replicas")
+            result["families"] = families(client)
+            result["affinity"] = affinity(client)
+            if args.fault:
+                result["fault"] = fault(client)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        result["server_exit"] = server.returncode
+        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+def _healthy(client: httpx.Client) -> bool:
+    try:
+        return client.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
