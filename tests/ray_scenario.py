@@ -123,6 +123,27 @@ def affinity(client: httpx.Client, conversations: int = 8, turns: int = 3) -> li
     return record
 
 
+def ray_metrics(replicas: set[str], timeout: float = 90) -> dict[str, float]:
+    """`ray_tinyloop_requests_total` from Ray's metrics export, summed per replica label, once every replica in
+    `replicas` appears there."""
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    found: dict[str, float] = {}
+
+    def complete() -> bool:
+        found.clear()
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            if line.startswith("ray_tinyloop_requests_total{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.rindex("}")].split(","))
+                replica = labels.get("replica", "").strip('"')
+                found[replica] = found.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+        return replicas <= set(found)
+
+    wait_for(complete, timeout, "every replica in Ray's metrics export")
+    return dict(found)
+
+
 def fault(client: httpx.Client) -> dict:
     """Kill the replica serving a running stream while other requests for the same conversation wait on it."""
     import ray
@@ -206,6 +227,8 @@ def main() -> int:
             wait_for(lambda: serve_status().get("RUNNING") == 2, 120, "two replicas")
             result["families"] = families(client)
             result["affinity"] = affinity(client)
+            served = {t["replica"] for c in result["affinity"] for t in c}
+            result["metrics"] = {"served_by": sorted(served), "requests_by_replica": ray_metrics(served)}
             if args.fault:
                 result["fault"] = fault(client)
     finally:

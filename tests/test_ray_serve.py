@@ -149,3 +149,11 @@ def test_a_killed_replica_cuts_its_streams_cleanly_and_its_waiting_requests_are_
     assert len(fault["waiting"]) == 4 and all(w["ok"] and w["replica"] != stream["victim"] for w in fault["waiting"])
     assert stream["victim"] not in fault["replicas_after"] and len(fault["replicas_after"]) == 2
     assert fault["after"]["content"] and scenario["server_exit"] == 0
+
+
+def test_each_replicas_metrics_reach_rays_export_labelled_by_replica(scenario):
+    """`tinyloop_requests_total` of each replica, mirrored into Ray's metrics export: at least the turns it served."""
+    served = Counter(t["replica"] for c in scenario["affinity"] for t in c)
+    exported = scenario["metrics"]["requests_by_replica"]
+    assert set(served) <= set(exported)
+    assert all(exported[r] >= n for r, n in served.items()), (served, exported)

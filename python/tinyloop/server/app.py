@@ -190,6 +190,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="tinyloop", version=__version__, default_response_class=ORJSONResponse, lifespan=lifespan)
     app.state.tinyloop = state
+    app.state.metrics = metrics
 
     app.add_middleware(
         Gate, api_keys=cfg.api_keys, metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight

@@ -25,6 +25,7 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -99,10 +100,12 @@ class Replica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self._lifespan = self.app.router.lifespan_context(self.app)
         self._started: asyncio.Task | None = None
+        self._mirror: asyncio.Task | None = None  # mirror_metrics, from the first request on
 
     async def _start(self) -> None:
         if self._started is None:
             self._started = asyncio.ensure_future(self._lifespan.__aenter__())
+            self._mirror = asyncio.ensure_future(mirror_metrics(self.app.state.metrics.registry))
         await self._started
 
     async def __call__(self, scope: dict, body: bytes, affinity: str | None = None) -> AsyncIterator[Any]:
@@ -138,6 +141,25 @@ class Replica:
             gone.set()  # the client left (or the response ended): the application sees the disconnect
             if not task.done():
                 await asyncio.wait([task], timeout=5)
+
+
+async def mirror_metrics(registry: CollectorRegistry, every: float = 2.0) -> None:
+    """The replica's Prometheus metrics as Ray Serve gauges, every `every` seconds: Ray's metrics export then has
+    them (as `ray_<name>`) labelled by deployment, replica and application."""
+    from ray.serve.metrics import Gauge
+
+    gauges: dict[str, Gauge] = {}
+    while True:
+        for family in registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                gauge = gauges.get(sample.name)
+                if gauge is None:
+                    keys = tuple(sorted(sample.labels))
+                    gauge = gauges[sample.name] = Gauge(sample.name, family.documentation, tag_keys=keys)
+                gauge.set(sample.value, tags=dict(sample.labels))
+        await asyncio.sleep(every)
 
 
 class Ingress:
