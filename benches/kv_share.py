@@ -50,6 +50,7 @@ def score(engine: tinyloop.Engine, ids: list[int], loops: int, prompt: int, deco
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT)
     ap.add_argument("--heldout", type=Path, default=HELDOUT)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--loops", type=int, default=8)
@@ -60,7 +61,7 @@ def main() -> int:
     rows = []
     ids: list[int] = []
     for kv, share in ROWS:
-        engine = tinyloop.Engine(DEFAULT, kv_cache_mode=kv, kv_share=share)
+        engine = tinyloop.Engine(args.model, kv_cache_mode=kv, kv_share=share)
         ids = ids or held_out_ids(engine, args.heldout.read_text(), args.tokens)
         nll, count, per_pos = score(engine, ids, args.loops, args.prompt, args.decode)
         rows.append({"kv": kv, "share": share, "perplexity": math.exp(nll / count), "scored": count, "bytes": per_pos})
@@ -75,6 +76,7 @@ def main() -> int:
         )
     if args.json:
         meta = {
+            "model": args.model.name,
             "heldout": str(args.heldout.relative_to(ROOT)),
             **{k: getattr(args, k) for k in ("loops", "prompt", "decode")},
         }

@@ -7,7 +7,9 @@ then records, as JSON for tests/test_ray_serve.py and benches/bench_ray_faults.p
 - `families`: one request of each API family through Ray's proxy (values, the replica header);
 - `affinity`: 8 interleaved 3-turn conversations — each turn's replica and cached prompt tokens;
 - with `--fault`: one replica killed (`ray.kill`, as a crash) while a stream it serves runs and other requests
-  wait on it — how the stream ended, what became of the waiting requests, how long until two replicas serve again.
+  wait on it — how the stream ended, what became of the waiting requests, how long until two replicas serve again;
+- or, with `--load SECONDS`, only a load run: `--clients` conversations streaming turn after turn, one replica
+  killed a third of the way in — every request's outcome, replica and times (benches/bench_ray_faults.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -97,6 +100,10 @@ def families(client: httpx.Client) -> dict:
         "POST", "/v1/responses", json={"model": "default", "input": "Hi", "max_output_tokens": 6, "stream": True}
     ) as r:
         out["responses_stream"] = {"replica": r.headers.get(REPLICA), "text": r.read()}
+    r = client.post(
+        "/api/v0/chat/completions", json={"model": "default", "messages": msgs, "max_tokens": 4, "loops": 2}
+    )
+    out["api_v0"] = {"status": r.status_code, "replica": r.headers.get(REPLICA), "body": r.json()}
     r = client.get("/v1/models")
     out["models"] = {"replica": r.headers.get(REPLICA), "body": r.json()}
     r = client.post("/v1/chat/completions", json={"model": "default", "messages": msgs, "max_tokens": -1})
@@ -193,10 +200,113 @@ def fault(client: httpx.Client) -> dict:
     return out
 
 
+def _stream_turn(client: httpx.Client, messages: list[dict]) -> dict:
+    """One streamed chat turn: its outcome ("ok": ended with [DONE]; "cut": an error event; "failed"), replica,
+    start and end times, time to the first token, and the reply."""
+    t0, first, reply, outcome, replica, status = time.monotonic(), None, "", "failed", None, None
+    body = {"model": "default", "messages": messages, "max_tokens": 120, "stream": True}
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            replica, status = r.headers.get(REPLICA), r.status_code
+            if r.status_code == 200:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        outcome = "ok" if outcome == "failed" else outcome
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            outcome = "cut"
+                            continue
+                        for c in event["choices"]:
+                            if c["delta"].get("content"):
+                                first = first or time.monotonic()
+                                reply += c["delta"]["content"]
+    except httpx.HTTPError as e:
+        replica = replica or repr(e)
+    end = time.monotonic()
+    return {
+        "outcome": outcome,
+        "status": status,
+        "replica": replica,
+        "start": t0,
+        "end": end,
+        "ttft": (first or end) - t0,
+        "reply": reply,
+    }
+
+
+def load(client: httpx.Client, seconds: float, clients: int, kill_at: float) -> dict:
+    """`clients` conversations streaming turn after turn for `seconds`; at `kill_at` one replica is killed."""
+    import ray
+
+    t0, stop, log = time.monotonic(), time.monotonic() + seconds, []
+    lock = threading.Lock()
+
+    def client_loop(i: int) -> None:
+        turn, messages = 0, []
+        while time.monotonic() < stop:
+            if turn % 3 == 0:  # a new conversation every 3 turns (three 120-token replies fit the context)
+                messages = [{"role": "user", "content": f"Client {i}, conversation {turn // 3}: tell me a story."}]
+            rec = _stream_turn(client, messages)
+            with lock:
+                log.append({"client": i, **rec})
+            messages = [
+                *messages,
+                {"role": "assistant", "content": rec["reply"]},
+                {"role": "user", "content": "Go on."},
+            ]
+            turn += 1
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(kill_at)
+    with lock:
+        victim = log[-1]["replica"]
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::tinyloop#Replica#{victim}", namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:
+        ids = replica_ids()
+        return victim not in ids and len(ids) == 2 and serve_status().get("RUNNING") == 2
+
+    recovered = wait_for(replaced, 180, "a replacement replica") + time.monotonic() - killed_at
+    for t in threads:
+        t.join(timeout=300)
+    new = (replica_ids() - {r["replica"] for r in log if r["start"] < killed_at}).pop()
+    first_new = min((r["end"] for r in log if r["replica"] == new), default=None)
+    span = [r for r in log if r["start"] < killed_at < r["end"]]
+    return {
+        "seconds": seconds,
+        "clients": clients,
+        "victim": victim,
+        "kill_at": killed_at - t0,
+        "requests": len(log),
+        "outcomes": {k: sum(r["outcome"] == k for r in log) for k in ("ok", "cut", "failed")},
+        "running_at_kill": {k: sum(r["outcome"] == k for r in span) for k in ("ok", "cut", "failed")},
+        "recovered_seconds": recovered,
+        "first_answer_from_replacement_seconds": None if first_new is None else first_new - killed_at,
+        "by_replica": dict(Counter(r["replica"] for r in log)),
+        "ttft_before_kill": _quantiles([r["ttft"] for r in log if r["end"] < killed_at]),
+        "ttft_after_kill": _quantiles([r["ttft"] for r in log if r["start"] > killed_at]),
+        "log": [
+            {k: (round(v - t0, 3) if k in ("start", "end") else v) for k, v in r.items() if k != "reply"} for r in log
+        ],
+    }
+
+
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    pick = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None  # noqa: E731
+    return {"n": len(xs), "p50": pick(0.5), "p90": pick(0.9), "max": pick(1.0)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--fault", action="store_true")
+    ap.add_argument("--load", type=float, default=0, metavar="SECONDS", help="a load run of this length instead")
+    ap.add_argument("--clients", type=int, default=8)
     args = ap.parse_args()
     loopback_up()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -216,7 +326,8 @@ def main() -> int:
         "--prompt-cache-entries",
         "8",
     ]
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = args.out.with_suffix(".server.log").open("w")  # Ray's per-request lines would fill a pipe
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     result: dict = {}
     try:
         with httpx.Client(base_url=BASE, timeout=60) as client:
@@ -225,6 +336,9 @@ def main() -> int:
 
             ray.init(address="auto", namespace="serve", log_to_driver=False)
             wait_for(lambda: serve_status().get("RUNNING") == 2, 120, "two replicas")
+            if args.load:
+                result["load"] = load(client, args.load, args.clients, kill_at=args.load / 3)
+                return 0
             result["families"] = families(client)
             result["affinity"] = affinity(client)
             served = {t["replica"] for c in result["affinity"] for t in c}
@@ -238,6 +352,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
         result["server_exit"] = server.returncode
+        log.close()
         args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     return 0
 

@@ -128,7 +128,9 @@ def test_every_family_answers_through_rays_proxy_naming_its_replica(scenario):
     last = json.loads(events[-1][1].removeprefix("data: "))  # the output stopped at max_output_tokens
     assert events[0][0] == "event: response.created" and last["type"] == "response.incomplete"
     assert last["response"]["usage"]["output_tokens"] == 6
-    assert [m["id"] for m in f["models"]["body"]["data"]] == ["default"] and f["models"]["replica"] in replicas
+    assert [m["id"] for m in f["models"]["body"]["data"]] == ["default"] and f["models"]["replica"]
+    v0 = f["api_v0"]["body"]
+    assert f["api_v0"]["status"] == 200 and v0["stats"]["loops_used"] == 2 and v0["usage"]["completion_tokens"] == 4
     assert f["bad_request"]["status"] == 400 and f["bad_request"]["body"]["error"]["param"] == "max_tokens"
 
 
@@ -157,3 +159,22 @@ def test_each_replicas_metrics_reach_rays_export_labelled_by_replica(scenario):
     exported = scenario["metrics"]["requests_by_replica"]
     assert set(served) <= set(exported)
     assert all(exported[r] >= n for r, n in served.items()), (served, exported)
+
+
+def test_the_documented_config_file_builds_the_application():
+    """The `serve run` config in docs/scale-out.md: its import path is the builder, which takes its args."""
+    import importlib
+    import re
+
+    import yaml
+    from ray.serve import Application
+
+    doc = (Path(__file__).parents[1] / "docs" / "scale-out.md").read_text(encoding="utf-8")
+    config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", doc, re.S).group(1))
+    (app,) = config["applications"]
+    module, name = app["import_path"].split(":")
+    built = getattr(importlib.import_module(module), name)(app["args"])
+    assert isinstance(built, Application) and app["route_prefix"] == "/"
+    replica = built._bound_deployment.init_args[0]._bound_deployment  # Ingress(Replica)
+    assert replica.name == "Replica" and replica.num_replicas == app["args"]["replicas"]
+    assert replica.ray_actor_options["num_cpus"] == app["args"]["num_cpus"]
