@@ -334,7 +334,7 @@ def main() -> int:
             result["startup_seconds"] = wait_for(lambda: _healthy(client), 240, "the server")
             import ray
 
-            ray.init(address="auto", namespace="serve", log_to_driver=False)
+            ray.init(address="auto", namespace="serve", log_to_driver=False, _node_ip_address="127.0.0.1")
             wait_for(lambda: serve_status().get("RUNNING") == 2, 120, "two replicas")
             if args.load:
                 result["load"] = load(client, args.load, args.clients, kill_at=args.load / 3)

@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CatalogError) as e:
         log.error("%s", e)
         return 2
-    if not keys and not _is_loopback(args.host):
+    if not keys and not is_loopback(args.host):
         log.warning(
             "listening on %s without an API key: anyone who can reach this address can use the server "
             "(set --api-key or --api-key-file)",
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

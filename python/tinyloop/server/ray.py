@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import error_body
+from .cli import is_loopback
 
 log = logging.getLogger("tinyloop.server.ray")
 
@@ -127,11 +128,11 @@ class Replica:
 
         task = asyncio.ensure_future(self.app({**scope, "app": self.app, "state": {}}, receive, send))
         try:
-            start = await out.get()
+            start = await _sent(out, task)
             headers = [*start.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
             yield start["status"], headers
             while True:
-                message = await out.get()
+                message = await _sent(out, task)
                 if message.get("body"):
                     yield message["body"]
                 if not message.get("more_body", False):
@@ -141,6 +142,19 @@ class Replica:
             gone.set()  # the client left (or the response ended): the application sees the disconnect
             if not task.done():
                 await asyncio.wait([task], timeout=5)
+
+
+async def _sent(out: asyncio.Queue[dict], app: asyncio.Future) -> dict:
+    """The application's next ASGI message; its error if it ended without one."""
+    get = asyncio.ensure_future(out.get())
+    await asyncio.wait([get, app], return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    if not out.empty():
+        return out.get_nowait()
+    app.result()  # raises what ended the application
+    raise RuntimeError("the application ended without completing its response")
 
 
 async def mirror_metrics(registry: CollectorRegistry, every: float = 2.0) -> None:
@@ -203,6 +217,8 @@ async def _rest(chunks, path: str) -> AsyncIterator[bytes]:
     except _LOST as e:
         log.warning("replica lost while streaming %s: %s", path, type(e).__name__)
         yield lost_stream_event(path)
+    finally:
+        chunks.cancel()  # the client left first: the replica's application sees the disconnect
 
 
 def lost_stream_event(path: str) -> bytes:
@@ -248,7 +264,10 @@ def run(host: str, port: int, replicas: int, num_cpus: float, address: str | Non
 
     import ray
 
-    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    # A local cluster serving on loopback stays on loopback: Ray would otherwise look for the machine's address by
+    # probing a public resolver.
+    local = address is None and is_loopback(host)
+    ray.init(address=address, include_dashboard=False, _node_ip_address="127.0.0.1" if local else None)
 
     def stop(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
