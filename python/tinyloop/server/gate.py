@@ -115,15 +115,7 @@ class Gate:
     async def _run_watched(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         """Run the route with the body replayed; cancel it when the client disconnects."""
         gone = asyncio.Event()
-        delivered = False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
+        replay = replayed(body, gone)
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -145,6 +137,21 @@ class Gate:
             except asyncio.CancelledError:
                 if not gone.is_set():
                     raise  # this request itself was cancelled (server shutdown), not the route
+
+
+def replayed(body: bytes, gone: asyncio.Event) -> Receive:
+    """An ASGI `receive` that gives the whole `body` once, then `http.disconnect` once `gone` is set."""
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 def _too_large(limit: int) -> APIError:

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import error_body
 from .cli import is_loopback
+from .gate import replayed
 
 log = logging.getLogger("tinyloop.server.ray")
 
@@ -91,8 +92,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
 
 class Replica:
-    """One engine and the server application around it; `__call__` answers one HTTP request, yielding
-    `(status, headers)` and then the body's chunks."""
+    """One engine and the server application around it; `__call__` answers one HTTP request (its ASGI scope and
+    whole body), yielding `(status, headers)` and then the body's chunks. `affinity` is the request router's to read
+    (`PrefixAffinityRouter`); the replica does not use it."""
 
     def __init__(self) -> None:
         from .app import create_app
@@ -113,15 +115,7 @@ class Replica:
         await self._start()
         out: asyncio.Queue[dict] = asyncio.Queue()
         gone = asyncio.Event()
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
+        receive = replayed(body, gone)
 
         async def send(message: dict) -> None:
             await out.put(message)
