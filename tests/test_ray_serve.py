@@ -125,9 +125,10 @@ def test_every_family_answers_through_rays_proxy_naming_its_replica(scenario):
     ]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     events = [e.split("\n") for e in f["responses_stream"]["text"].split("\n\n") if e]
-    last = json.loads(events[-1][1].removeprefix("data: "))  # the output stopped at max_output_tokens
-    assert events[0][0] == "event: response.created" and last["type"] == "response.incomplete"
-    assert last["response"]["usage"]["output_tokens"] == 6
+    last = json.loads(events[-1][1].removeprefix("data: "))
+    tokens = last["response"]["usage"]["output_tokens"]  # the model may end before max_output_tokens
+    assert events[0][0] == "event: response.created" and 1 <= tokens <= 6
+    assert last["type"] == ("response.incomplete" if tokens == 6 else "response.completed")
     assert [m["id"] for m in f["models"]["body"]["data"]] == ["default"] and f["models"]["replica"]
     v0 = f["api_v0"]["body"]
     assert f["api_v0"]["status"] == 200 and v0["stats"]["loops_used"] == 2 and v0["usage"]["completion_tokens"] == 4
