@@ -77,7 +77,7 @@ def main() -> int:
     if args.json:
         meta = {
             "model": args.model.name,
-            "heldout": str(args.heldout.relative_to(ROOT)),
+            "heldout": str(args.heldout.resolve().relative_to(ROOT)),
             **{k: getattr(args, k) for k in ("loops", "prompt", "decode")},
         }
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1))
