@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tinyloop
 from quant_models import DEFAULT, HELDOUT
+from reporting import cpu_name
 from tinyloop import AutoDepth, SamplingParams
 from tinyloop.modelfile.evaluate import held_out_ids
 
@@ -73,13 +73,6 @@ def speed(engine, settings: list[dict], new: int, rounds: int) -> list[float]:
                 engine.generate(p, params, **kw)
             best[i] = max(best[i], len(prompts) * new / (time.perf_counter() - start))
     return best
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def plot(result: dict, path: Path) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from ray_scenario import in_netns  # noqa: E402
+from reporting import cpu_name  # noqa: E402
 
 SECONDS = float(os.environ.get("TINYLOOP_RAY_SECONDS", "90"))
 CLIENTS = 8
-
-
-def _machine() -> str:
-    model = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line),
-        platform.processor(),
-    )
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def test_kill_a_replica_under_load(benchmark, tmp_path):
@@ -48,7 +40,7 @@ def test_kill_a_replica_under_load(benchmark, tmp_path):
     load = benchmark.pedantic(run, rounds=1, iterations=1)
     (ROOT / ".benchmarks").mkdir(exist_ok=True)
     (ROOT / ".benchmarks" / "ray_faults.json").write_text(json.dumps(load, indent=1), encoding="utf-8")
-    summary = {k: v for k, v in load.items() if k != "log"} | {"machine": _machine()}
+    summary = {k: v for k, v in load.items() if k != "log"} | {"machine": f"{cpu_name()}, {os.cpu_count()} cores"}
     (ROOT / "docs" / "scale_out.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(summary, indent=1))
     benchmark.extra_info.update(summary)

@@ -4,6 +4,16 @@ and the head of a Markdown table."""
 from __future__ import annotations
 
 import json
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the machine a figure was measured on."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def load(path: str) -> dict:
