@@ -4,6 +4,7 @@ measured on interleaved conversations, and a replica killed under load (tests/ra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -54,8 +55,6 @@ def test_plain_prompts_are_keyed_by_their_first_characters_and_bodies_without_on
 def _choose(key: str | None, replicas: list[str]) -> list[list[str]]:
     candidates = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in replicas]
     pending = SimpleNamespace(kwargs={"affinity": key})
-    import asyncio
-
     ranks = asyncio.run(PrefixAffinityRouter.choose_replicas(None, candidates, pending))  # type: ignore[arg-type]
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
