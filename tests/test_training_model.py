@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
     return model, path
 
 
-def _torch_logits(model, ids, kv_share):
+def _torch_logits(model, ids, kv_share: int):
     with torch.no_grad():
         h = model.hidden_states(torch.tensor([ids]), LOOPS, {LOOPS}, kv_share=kv_share)[LOOPS]
         return model.logits(h)[0].numpy()
@@ -45,18 +45,36 @@ def test_plain_forward_matches_the_engine(trained):
     ids = list(range(100, 140))
     seq = tinyloop.Engine(path).sequence()
     got = np.frombuffer(seq.feed(ids, LOOPS), dtype=np.float32).reshape(len(ids), -1)
-    assert np.abs(got - _torch_logits(model, ids, False)).max() < 1e-3
+    assert np.abs(got - _torch_logits(model, ids, 0)).max() < 1e-3
 
 
 def test_kv_share_forward_matches_decoding_with_the_shared_cache(trained):
     """After a prompt, the first decoded token sees the prompt through its last loop's K/V and itself through each
-    loop's own: what `hidden_states(..., kv_share=True)` computes at that position."""
+    loop's own: what `hidden_states(..., kv_share=1)` computes at that position."""
     model, path = trained
     ids = list(range(200, 233))
     seq = tinyloop.Engine(path, kv_share="last").sequence()
     seq.feed(ids[:-1], LOOPS)
     seq.share_loops(LOOPS)
     got = np.frombuffer(seq.feed(ids[-1:], LOOPS), dtype=np.float32)
-    shared, plain = _torch_logits(model, ids, True)[-1], _torch_logits(model, ids, False)[-1]
+    shared, plain = _torch_logits(model, ids, 1)[-1], _torch_logits(model, ids, 0)[-1]
     assert np.abs(got - shared).max() < 1e-3
     assert np.abs(got - plain).max() > 0.05  # the shared cache changes the answer: the test can tell them apart
+
+
+def test_kv_share_passes_reach_decoding_from_the_first_token(trained):
+    """Decoding every token with the shared cache from the first on: position t reads the earlier positions' K/V as
+    their own shared loops left them. Position 0 has no past; each pass fixes one more position's K/V, so n passes
+    give positions 0..n exactly, as many passes as tokens the whole sequence, and fewer leave the later ones off."""
+    model, path = trained
+    ids = list(range(300, 308))
+    seq = tinyloop.Engine(path, kv_share="last").sequence()
+    vocab = CFG.vocab_size
+    got = [np.frombuffer(seq.feed(ids[:1], LOOPS), dtype=np.float32)]
+    seq.share_loops(LOOPS)
+    got += [np.frombuffer(seq.feed([t], LOOPS), dtype=np.float32) for t in ids[1:]]
+    got = np.stack(got).reshape(len(ids), vocab)
+    assert np.abs(got - _torch_logits(model, ids, len(ids))).max() < 1e-3
+    two = np.abs(got - _torch_logits(model, ids, 2)).max(axis=1)
+    assert two[:3].max() < 1e-3
+    assert two[3] > 0.05

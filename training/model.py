@@ -136,20 +136,18 @@ class LoopedLM(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.block_count * 8))
 
     def hidden_states(
-        self, idx: torch.Tensor, loops: int, exits: set[int], kv_share: bool = False
+        self, idx: torch.Tensor, loops: int, exits: set[int], kv_share: int = 0
     ) -> dict[int, torch.Tensor]:
-        """Residual stream after each loop in `exits` (1-based). With `kv_share`, the block's layers attend to past
-        positions through the last loop's K/V, as decoding with `kv_share="last"` does: a first pass without
-        gradients computes those K/V (as a plain forward pass, which is what a prompt leaves in the shared cache),
-        the second runs every loop against them."""
+        """Residual stream after each loop in `exits` (1-based). With `kv_share` > 0, the block's layers attend to
+        past positions through the last loop's K/V, as decoding with `kv_share="last"` does. Decoding's shared K/V
+        are a fixed point: a position's last-loop K/V come from loops that read the earlier positions' shared K/V.
+        `kv_share` passes without gradients approach it: the first a plain forward pass (what a prompt leaves in the
+        shared cache), each next one run against the K/V of the pass before; the pass with gradients runs every loop
+        against the last of them."""
         past: list[KV | None] = [None] * len(self.block)
-        if kv_share:
-            with torch.no_grad():
-                x = self._prelude(idx)
-                for _ in range(loops):
-                    for j, layer in enumerate(self.block):
-                        x, kv = layer(x, self.cos, self.sin)
-                        past[j] = (kv[0].detach(), kv[1].detach())
+        with torch.no_grad():
+            for _ in range(kv_share):
+                past = self._last_kv(idx, loops, past)
         x = self._prelude(idx)
         out = {}
         for d in range(1, loops + 1):
@@ -158,6 +156,15 @@ class LoopedLM(nn.Module):
             if d in exits:
                 out[d] = x
         return out
+
+    def _last_kv(self, idx: torch.Tensor, loops: int, past: list[KV | None]) -> list[KV | None]:
+        """Each block layer's K/V at the last of `loops`, every loop attending to the earlier positions via `past`."""
+        x = self._prelude(idx)
+        last: list[KV | None] = [None] * len(self.block)
+        for _ in range(loops):
+            for j, layer in enumerate(self.block):
+                x, last[j] = layer(x, self.cos, self.sin, past[j])
+        return last
 
     def _prelude(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -84,10 +84,10 @@ def compile_hot_paths(model: LoopedLM):
 
 @torch.no_grad()
 def evaluate(
-    model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max_tokens: int, kv_share: bool = False
+    model: LoopedLM, data: np.ndarray, ctx: int, depths: list[int], max_tokens: int, kv_share: int = 0
 ) -> dict[int, float]:
-    """Held-out perplexity at each depth (non-overlapping windows); with `kv_share`, each depth as decoding with
-    `kv_share="last"` at that depth reads it."""
+    """Held-out perplexity at each depth (non-overlapping windows); with `kv_share` (passes, see
+    `LoopedLM.hidden_states`), each depth as decoding with `kv_share="last"` at that depth reads it."""
     model.eval()
     n = min(len(data) - 1, max_tokens) // ctx
     x = torch.from_numpy(data[: n * ctx].astype(np.int64)).view(n, ctx)
@@ -95,7 +95,7 @@ def evaluate(
     totals = {d: 0.0 for d in depths}
     for i in range(0, n, 8):
         if kv_share:
-            hs = {d: model.hidden_states(x[i : i + 8], d, {d}, kv_share=True)[d] for d in depths}
+            hs = {d: model.hidden_states(x[i : i + 8], d, {d}, kv_share)[d] for d in depths}
         else:
             hs = model.hidden_states(x[i : i + 8], max(depths), set(depths))
         for d in depths:
@@ -157,6 +157,12 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="share of steps trained as kv_share='last' decoding reads the model (final exit only)",
     )
+    ap.add_argument(
+        "--kv-share-passes",
+        type=int,
+        default=2,
+        help="passes that approach decoding's shared K/V in those steps and in the evaluation (1: a plain forward's)",
+    )
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
@@ -215,7 +221,7 @@ def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, 
         exits = {}
     exits[L] = float(weights["last"])
     with amp:
-        hs = model.hidden_states(x, L, set(exits), kv_share=shared)
+        hs = model.hidden_states(x, L, set(exits), args.kv_share_passes if shared else 0)
         losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
         loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
     opt.zero_grad(set_to_none=True)
@@ -273,7 +279,7 @@ def main() -> int:
             )
         if time.time() - last_eval > args.eval_every * 60:
             ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-            shared = evaluate(model, held, args.context, [8], 16384, kv_share=True) if args.kv_share_frac else {}
+            shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if args.kv_share_frac else {}
             log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
             print(f"  held-out ppl {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
             last_eval = time.time()
