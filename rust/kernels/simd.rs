@@ -88,6 +88,17 @@ pub fn softmax_in_place(s: &mut [f32]) {
     s.iter_mut().for_each(|v| *v /= sum);
 }
 
+/// `(log softmax(z), softmax(z))`, from one pass of exponentials (`exp_minus_and_sum`).
+pub fn log_softmax(z: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut p = z.to_vec();
+    let sum = exp_minus_and_sum(&mut p, max);
+    let shift = max + sum.ln();
+    let inv = 1.0 / sum;
+    p.iter_mut().for_each(|v| *v *= inv);
+    (z.iter().map(|v| v - shift).collect(), p)
+}
+
 fn exp_minus_and_sum(s: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa::avx512() {
@@ -177,6 +188,21 @@ mod tests {
                     "{got} vs {}",
                     want / total
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn log_softmax_matches_f64() {
+        for n in [1, 5, 16, 37, 4096] {
+            let z: Vec<f32> = pseudo(n, 9).iter().map(|x| x * 3.0).collect();
+            let max = z.iter().copied().fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
+            let lse = max + z.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let (logp, p) = log_softmax(&z);
+            for ((&v, &lp), &pr) in z.iter().zip(&logp).zip(&p) {
+                let want = v as f64 - lse;
+                assert!((lp as f64 - want).abs() <= 1e-5, "{lp} vs {want}");
+                assert!((pr as f64 - want.exp()).abs() <= 1e-6 * want.exp() + 1e-12, "{pr} vs {}", want.exp());
             }
         }
     }

@@ -8,6 +8,7 @@ use candle_core::{DType, Tensor};
 
 use super::{AutoDepth, Model, RowBlock, SeqChunk};
 use crate::error::{Error, Result};
+use crate::kernels::simd;
 use crate::profile::{self, Stage};
 
 impl Model {
@@ -134,18 +135,18 @@ impl Model {
         let h: Vec<Tensor> =
             want.iter().map(|&(i, r, _)| blocks[i].x.narrow(0, r, 1)).collect::<candle_core::Result<_>>()?;
         let h_all = Tensor::cat(&h, 0)?;
-        let measures = match gated {
-            true => self.exit_gate_probs(&h_all)?.into_iter().map(|p| vec![p]).collect(),
+        let measures: Vec<(Vec<f32>, Vec<f32>)> = match gated {
+            true => self.exit_gate_probs(&h_all)?.into_iter().map(|p| (vec![p], Vec::new())).collect(),
             false => self.exit_logprobs(&h_all)?,
         };
-        for ((i, r, d), (cur, x)) in want.into_iter().zip(measures.into_iter().zip(h)) {
+        for ((i, r, d), ((cur, probs), x)) in want.into_iter().zip(measures.into_iter().zip(h)) {
             let threshold = rules[i].threshold.unwrap_or_else(|| self.default_exit_threshold());
             let (met, keep) = match gated {
                 true => {
                     let survival = prev[i][r].as_ref().map_or(1.0, |s| s[0]) * (1.0 - cur[0]);
                     (1.0 - survival >= threshold, vec![survival])
                 }
-                false => (prev[i][r].as_ref().is_some_and(|p| kl_divergence(&cur, p) < threshold), cur),
+                false => (prev[i][r].as_ref().is_some_and(|q| kl_divergence(&probs, &cur, q) < threshold), cur),
             };
             if d >= rules[i].first_check(gated) && met {
                 exits[i][r] = d;
@@ -163,19 +164,21 @@ impl Model {
         Ok(z.into_iter().map(|z| 1.0 / (1.0 + (-(z + b)).exp())).collect())
     }
 
-    /// Log-probabilities of the exit distribution of hidden rows `h (n, dim)`: over the draft vocabulary with the
-    /// draft head when the file has one (a twelfth of the full head's cost on the default model), else over all
-    /// tokens.
-    fn exit_logprobs(&self, h: &Tensor) -> Result<Vec<Vec<f32>>> {
+    /// The exit distribution of hidden rows `h (n, dim)`, each row as (log-probabilities, probabilities): over the
+    /// draft vocabulary with the draft head when the file has one (a twelfth of the full head's cost on the default
+    /// model), else over all tokens. One vectorized exponential pass per row gives both.
+    fn exit_logprobs(&self, h: &Tensor) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
         let logits = profile::time(Stage::Head, || match &self.draft_head {
             Some(d) => d.small_logits(&self.final_norm(h)?),
             None => self.head_logits(h),
         })?;
-        Ok(candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1)?.to_vec2::<f32>()?)
+        Ok(logits.to_vec2::<f32>()?.iter().map(|z| simd::log_softmax(z)).collect())
     }
 }
 
-/// KL(p ‖ q) of two distributions given as log-probabilities.
-pub(crate) fn kl_divergence(logp: &[f32], logq: &[f32]) -> f32 {
-    logp.iter().zip(logq).map(|(&a, &b)| if a == f32::NEG_INFINITY { 0.0 } else { a.exp() * (a - b) }).sum()
+/// KL(p ‖ q) from p's probabilities and log-probabilities and q's log-probabilities; never below 0 (rounding can
+/// take the sum of two equal distributions a hair under it).
+pub(crate) fn kl_divergence(p: &[f32], logp: &[f32], logq: &[f32]) -> f32 {
+    let sum: f32 = p.iter().zip(logp).zip(logq).map(|((&p, &a), &b)| if p > 0.0 { p * (a - b) } else { 0.0 }).sum();
+    sum.max(0.0)
 }
