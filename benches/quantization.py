@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tinyloop
-from quant_models import HELDOUT, model_path
+from quant_models import HELDOUT, ROOT, model_path
 from tinyloop.modelfile.evaluate import evaluate, held_out_ids
 
 LOOPS = 8
@@ -80,7 +80,7 @@ def measure(heldout: Path, tokens: int, bench_json: Path | None) -> dict:
     base = results[0]["perplexity"]
     for r in results:
         r["delta_pct"] = 100 * (r["perplexity"] / base - 1)
-    return {"loops": LOOPS, "heldout": str(heldout), "rows": results}
+    return {"loops": LOOPS, "heldout": str(heldout.resolve().relative_to(ROOT)), "rows": results}
 
 
 def table(result: dict) -> str:
