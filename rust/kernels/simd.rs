@@ -199,10 +199,11 @@ mod tests {
             let max = z.iter().copied().fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
             let lse = max + z.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
             let (logp, p) = log_softmax(&z);
+            // The f32 sum of up to 4,096 terms (one running sum without AVX-512) is good to a few parts in 10⁶.
             for ((&v, &lp), &pr) in z.iter().zip(&logp).zip(&p) {
                 let want = v as f64 - lse;
                 assert!((lp as f64 - want).abs() <= 1e-5, "{lp} vs {want}");
-                assert!((pr as f64 - want.exp()).abs() <= 1e-6 * want.exp() + 1e-12, "{pr} vs {}", want.exp());
+                assert!((pr as f64 - want.exp()).abs() <= 1e-5 * want.exp() + 1e-12, "{pr} vs {}", want.exp());
             }
         }
     }
