@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import tinyloop
 from model import LoopedLM, TrainConfig
 from quant_models import DEFAULT, HELDOUT, ROOT
+from tinyloop.modelfile.draft_vocab import KEY as DRAFT_KEY
 from tinyloop.modelfile.evaluate import held_out_ids
 from train import load_tinyloop
 
@@ -58,7 +59,7 @@ def load(path: Path) -> tuple[LoopedLM, tinyloop.Engine, torch.Tensor | None]:
     )
     model = LoopedLM(cfg)
     load_tinyloop(model, path)
-    field = gguf.GGUFReader(path).get_field("tinyloop.draft.token_ids")
+    field = gguf.GGUFReader(path).get_field(DRAFT_KEY)
     draft = torch.tensor([int(field.parts[j][0]) for j in field.data]) if field else None
     return model.eval(), engine, draft
 
