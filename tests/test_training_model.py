@@ -78,3 +78,44 @@ def test_kv_share_passes_reach_decoding_from_the_first_token(trained):
     two = np.abs(got - _torch_logits(model, ids, 2)).max(axis=1)
     assert two[:3].max() < 1e-3
     assert two[3] > 0.05
+
+
+def test_kv_drift_is_zero_exactly_where_the_shared_cache_is_exact(trained):
+    """`kv_drift` measures each loop's K/V against the last loop's: positive on the random model, whose shared-cache
+    decoding differs from its per-loop one; zero when every loop's K/V are the last's; and, for K shifted by a
+    constant c in the earlier loops, c² over the mean square of the last loop's K, averaged with V's zero."""
+    from model import kv_drift
+
+    model, _ = trained
+    ids = torch.tensor([list(range(400, 420))])
+    trace: list = []
+    with torch.no_grad():
+        plain = model.logits(model.hidden_states(ids, LOOPS, {LOOPS}, kv_trace=trace)[LOOPS])
+        shared = model.logits(model.hidden_states(ids, LOOPS, {LOOPS}, kv_share=len(ids[0]))[LOOPS])
+    assert len(trace) == LOOPS and len(trace[0]) == CFG.block_count
+    assert kv_drift(trace).item() > 0.01 and (plain - shared).abs().max() > 0.05
+    same = [[(k.clone(), v.clone()) for k, v in trace[-1]] for _ in range(LOOPS)]
+    assert kv_drift(same).item() == 0.0
+    moved = [[(k + 0.5 * k.std(), v) for k, v in loop] for loop in same[:-1]] + [same[-1]]
+    expected = torch.stack([(0.5 * k.std()) ** 2 / k.pow(2).mean() for k, _ in same[-1]]).mean() / 2
+    assert torch.allclose(kv_drift(moved), expected, rtol=1e-5)
+
+
+def test_distill_loss_is_the_kl_from_the_teacher_per_loop_distribution(trained):
+    """`train.distill_loss` is KL(teacher ‖ model) per position: zero where the model reads its input as the teacher
+    does (same weights, per-loop cache), positive where it reads it through the shared cache, and equal to a direct
+    computation of Σ p_t (log p_t − log p_m) averaged over positions."""
+    from train import distill_loss
+
+    model, _ = trained
+    ids = torch.tensor([list(range(300, 324))])
+    with torch.no_grad():
+        plain = model.hidden_states(ids, LOOPS, {LOOPS})[LOOPS]
+        shared = model.hidden_states(ids, LOOPS, {LOOPS}, kv_share=len(ids[0]))[LOOPS]
+        assert distill_loss(model, model, ids, plain, LOOPS).item() == pytest.approx(0.0, abs=1e-5)
+        got = distill_loss(model, model, ids, shared, LOOPS).item()
+        p_t = model.logits(plain)[0].double().log_softmax(-1)
+        p_m = model.logits(shared)[0].double().log_softmax(-1)
+    expected = (p_t.exp() * (p_t - p_m)).sum(-1).mean().item()
+    assert expected > 0.01
+    assert got == pytest.approx(expected, rel=1e-4)

@@ -116,6 +116,19 @@ def shared_attention(q: torch.Tensor, own: KV, past: KV, gqa: bool) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def kv_drift(trace: list[list[KV]]) -> torch.Tensor:
+    """How far each loop's K and V (`hidden_states`' `kv_trace`) are from the last loop's: the squared distance
+    relative to the last loop's squared norm, averaged over the earlier loops, the block layers, K and V. Zero
+    exactly when every loop's K/V equal the last's — where decoding with `kv_share="last"` reads what the per-loop
+    cache holds, so the shared cache costs nothing."""
+    last, terms = trace[-1], []
+    for loop in trace[:-1]:
+        for (k, v), (k_last, v_last) in zip(loop, last, strict=True):
+            for a, b in ((k, k_last), (v, v_last)):
+                terms.append((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean().clamp_min(1e-12))
+    return torch.stack(terms).mean()
+
+
 class LoopedLM(nn.Module):
     def __init__(self, cfg: TrainConfig):
         super().__init__()
@@ -136,7 +149,12 @@ class LoopedLM(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.block_count * 8))
 
     def hidden_states(
-        self, idx: torch.Tensor, loops: int, exits: set[int], kv_share: int = 0
+        self,
+        idx: torch.Tensor,
+        loops: int,
+        exits: set[int],
+        kv_share: int = 0,
+        kv_trace: list[list[KV]] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Residual stream after each loop in `exits` (1-based). With `kv_share` > 0, the block's layers attend to
         past positions through the last loop's K/V, as decoding with `kv_share="last"` does. Decoding's shared K/V
@@ -151,8 +169,12 @@ class LoopedLM(nn.Module):
         x = self._prelude(idx)
         out = {}
         for d in range(1, loops + 1):
+            kv = []
             for j, layer in enumerate(self.block):
-                x, _ = layer(x, self.cos, self.sin, past[j])
+                x, kv_j = layer(x, self.cos, self.sin, past[j])
+                kv.append(kv_j)
+            if kv_trace is not None:
+                kv_trace.append(kv)
             if d in exits:
                 out[d] = x
         return out

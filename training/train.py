@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import TENSOR_PARTS, LoopedLM, TrainConfig
+from model import TENSOR_PARTS, LoopedLM, TrainConfig, kv_drift
 
 EOT = 50256
 
@@ -72,6 +72,16 @@ def exit_loss(
         keep = torch.randperm(h.shape[0], generator=gen)[: int(h.shape[0] * frac)]
         h, y = h[keep], y[keep]
     return loss_fn(model, h, y)
+
+
+def distill_loss(model: LoopedLM, teacher: LoopedLM, x: torch.Tensor, h: torch.Tensor, loops: int) -> torch.Tensor:
+    """KL(teacher ‖ model) of the next-token distributions at `loops`, per position: the teacher (a frozen copy of
+    the starting weights) reads `x` with its per-loop cache, the model's states `h` are however this step read it —
+    so shared-cache steps learn to give what the per-loop model gives, and the others keep giving it."""
+    with torch.no_grad():
+        target = teacher.logits(teacher.hidden_states(x, loops, {loops})[loops]).float().log_softmax(-1)
+    logp = model.logits(h).float().log_softmax(-1)
+    return F.kl_div(logp.flatten(0, -2), target.flatten(0, -2), log_target=True, reduction="batchmean")
 
 
 def compile_hot_paths(model: LoopedLM):
@@ -163,6 +173,20 @@ def parse_args() -> argparse.Namespace:
         default=2,
         help="passes that approach decoding's shared K/V in those steps and in the evaluation (1: a plain forward's)",
     )
+    ap.add_argument(
+        "--kv-match-weight",
+        type=float,
+        default=0.0,
+        help="weight of the K/V drift across loops (model.kv_drift) in the other steps' loss: pulls every loop's "
+        "K/V toward the last loop's, which the shared cache reads",
+    )
+    ap.add_argument(
+        "--distill-from",
+        type=Path,
+        default=None,
+        help="a .tinyloop file whose per-loop next-token distributions the final exit is also pulled toward",
+    )
+    ap.add_argument("--distill-weight", type=float, default=1.0, help="weight of that KL term in the loss")
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
@@ -210,8 +234,9 @@ def build(args: argparse.Namespace, device: str):
     return cfg, model, opt, prior
 
 
-def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, gen, loss_fn):
-    """One optimizer step at a random depth L, with losses at the exits 1, 2, L/2 and L; returns (L, losses)."""
+def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, gen, loss_fn, teacher=None):
+    """One optimizer step at a random depth L, with losses at the exits 1, 2, L/2 and L (and the teacher's KL and
+    the K/V drift when asked for); returns (L, losses)."""
     for g in opt.param_groups:
         g["lr"] = lr
     L = random.randint(args.loops_min, args.loops_max)
@@ -220,10 +245,17 @@ def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, 
     if shared:  # the shallow exits read the deeper loops' K/V here, which no decoding does: the final exit only
         exits = {}
     exits[L] = float(weights["last"])
+    trace = [] if args.kv_match_weight and not shared else None
     with amp:
-        hs = model.hidden_states(x, L, set(exits), args.kv_share_passes if shared else 0)
+        hs = model.hidden_states(x, L, set(exits), args.kv_share_passes if shared else 0, trace)
         losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
         loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
+        if teacher is not None:
+            losses["distill"] = distill_loss(model, teacher, x, hs[L], L)
+            loss = loss + args.distill_weight * losses["distill"]
+        if trace:
+            losses["kv_drift"] = kv_drift(trace)
+            loss = loss + args.kv_match_weight * losses["kv_drift"]
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -241,11 +273,16 @@ def main() -> int:
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or args.cpu_bf16)
     cfg, model, opt, prior = build(args, device)
     loss_fn = head_loss if args.no_compile else compile_hot_paths(model)
+    teacher = None
+    if args.distill_from:
+        teacher = LoopedLM(cfg).to(device).eval().requires_grad_(False)
+        load_tinyloop(teacher, args.distill_from)
     train = tokenize(args.data / "train.txt")
     held = tokenize(args.data / "heldout.txt")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"train {len(train):,} tokens, held-out {len(held):,}; {n_params:,} params", flush=True)
     weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
+    sharing = bool(args.kv_share_frac or args.kv_match_weight)
     gen = torch.Generator().manual_seed(args.seed)
     # A resumed run draws fresh windows: seeded by the seed alone, it would draw the first run's windows again, in
     # the same order.
@@ -256,30 +293,32 @@ def main() -> int:
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": [], "evals": []}
     if prior or args.init_from:  # where the run starts from, on the same windows as its later evaluations
         ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-        log["evals"].append({"step": 0, "tokens": 0, "ppl": ppl})
-        print(f"  held-out ppl at the start {ppl}", flush=True)
+        shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if sharing else {}
+        log["evals"].append({"step": 0, "tokens": 0, "ppl": ppl, "kv_share_ppl": shared})
+        print(f"  held-out ppl at the start {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
     budget = args.minutes * 60
     start = last_eval = time.time()
     step, tokens, ema = 0, 0, None
     while (elapsed := time.time() - start) < budget:
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
         x, y = (t.to(device) for t in next(data))
-        L, losses = train_step(args, model, opt, x, y, lr, weights, amp, gen, loss_fn)
+        L, losses = train_step(args, model, opt, x, y, lr, weights, amp, gen, loss_fn, teacher)
         step, tokens = step + 1, tokens + x.numel()
         final = losses[L].item()
         ema = final if ema is None else 0.98 * ema + 0.02 * final
-        losses_at = {f"loss@{d}": round(v.item(), 4) for d, v in losses.items()}
+        losses_at = {f"loss@{d}" if isinstance(d, int) else d: round(v.item(), 4) for d, v in losses.items()}
         log["steps"].append({"step": step, "t": round(elapsed, 1), "L": L, "lr": lr, **losses_at})
         if step % 20 == 0:
             print(
                 f"step {step:5d}  {elapsed / 60:5.1f}/{args.minutes:.0f} min  {tokens / elapsed:6.0f} tok/s  "
                 f"L={L:2d}  loss@L {final:.3f} (ema {ema:.3f})  loss@1 {losses.get(1, losses[L]).item():.3f}  "
-                f"lr {lr:.2e}",
+                + "".join(f"{k} {losses[k].item():.3f}  " for k in ("distill", "kv_drift") if k in losses)
+                + f"lr {lr:.2e}",
                 flush=True,
             )
         if time.time() - last_eval > args.eval_every * 60:
             ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-            shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if args.kv_share_frac else {}
+            shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if sharing else {}
             log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
             print(f"  held-out ppl {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
             last_eval = time.time()
