@@ -119,3 +119,19 @@ def test_distill_loss_is_the_kl_from_the_teacher_per_loop_distribution(trained):
     expected = (p_t.exp() * (p_t - p_m)).sum(-1).mean().item()
     assert expected > 0.01
     assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_tokenize_caches_the_split_and_reads_the_cache_alone(tmp_path):
+    """`train.tokenize` gives tiktoken's GPT-2 ids (its BPE over the shipped ranks) with end-of-text after each
+    passage and where a passage holds one, caches them as .bin, and reads that cache where the text is absent."""
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
+    from train import EOT, tokenize
+
+    text = tmp_path / "train.txt"
+    text.write_text("Hello there, friend.\n<|endoftext|>\nUser: Hi?\nAssistant: Well met.<|endoftext|>tail")
+    enc = tiktoken_gpt2()
+    pieces = ["Hello there, friend.", "User: Hi?\nAssistant: Well met.", "tail"]
+    expected = [i for p in pieces for i in [*enc.encode_ordinary(p), EOT]]
+    assert tokenize(text).tolist() == expected
+    text.unlink()
+    assert tokenize(text).tolist() == expected

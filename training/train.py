@@ -32,10 +32,10 @@ EOT = 50256
 
 
 def tokenize(path: Path) -> np.ndarray:
-    """Token ids of a corpus split (cached next to it as .bin): passages separated by end-of-text, which may also
-    appear inside a passage (a chat's closed assistant turns)."""
+    """Token ids of a corpus split (cached next to it as .bin, which is read alone where the text is absent):
+    passages separated by end-of-text, which may also appear inside a passage (a chat's closed assistant turns)."""
     cache = path.with_suffix(".bin")
-    if cache.exists() and cache.stat().st_mtime > path.stat().st_mtime:
+    if cache.exists() and (not path.exists() or cache.stat().st_mtime > path.stat().st_mtime):
         return np.fromfile(cache, dtype=np.uint16)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     from tinyloop.modelfile.vocab import tiktoken_gpt2
@@ -99,9 +99,10 @@ def evaluate(
     """Held-out perplexity at each depth (non-overlapping windows); with `kv_share` (passes, see
     `LoopedLM.hidden_states`), each depth as decoding with `kv_share="last"` at that depth reads it."""
     model.eval()
+    device = model.embed.weight.device
     n = min(len(data) - 1, max_tokens) // ctx
-    x = torch.from_numpy(data[: n * ctx].astype(np.int64)).view(n, ctx)
-    y = torch.from_numpy(data[1 : n * ctx + 1].astype(np.int64)).view(n, ctx)
+    x = torch.from_numpy(data[: n * ctx].astype(np.int64)).view(n, ctx).to(device)
+    y = torch.from_numpy(data[1 : n * ctx + 1].astype(np.int64)).view(n, ctx).to(device)
     totals = {d: 0.0 for d in depths}
     for i in range(0, n, 8):
         if kv_share:
@@ -324,10 +325,12 @@ def main() -> int:
             last_eval = time.time()
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
-    log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl})
+    shared = evaluate(model, held, args.context, [8], 65536, args.kv_share_passes) if sharing else {}
+    log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
     minutes = (time.time() - start) / 60
     log["final"] = {"steps": step, "tokens": tokens, "total_tokens": prior + tokens, "minutes": minutes, "ppl": ppl}
-    print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}", flush=True)
+    with_shared = f", with kv_share {shared}" if shared else ""
+    print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}{with_shared}", flush=True)
     save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     (args.out / "log.json").write_text(json.dumps(log))
     return 0

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Fine-tune the shipped default model on one GPU for decoding with kv_share="last", in one command on a machine
+# that has PyTorch but no network and no tinyloop build, and that returns only a few files of at most 16 MiB each.
+# So the data travel tokenized (data/chat/*.bin, which train.py reads where the text is absent), gguf travels as a
+# wheel (to read the shipped file), and the weights come back as float16 in 15 MB pieces.
+#
+# Before, here:
+#   python training/dialogue.py --corpus data/corpus --out data/chat
+#   python -c 'import sys; sys.path.insert(0, "training"); import train; [train.tokenize(__import__("pathlib").Path(f"data/chat/{s}.txt")) for s in ("train", "heldout")]'
+#   pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+# There (the two .bin files and .whl travel; nothing else under data/ needs to):
+#   OUT=/path/to/results MINUTES=6 training/gpu_run.sh
+# After, here:
+#   cat RESULTS/weights.pt.* > data/gpu/model.pt
+#   python training/export.py data/gpu/model.pt data/gpu/raw.tinyloop --max-trained-loops 12 \
+#       --generation frequency_penalty=0.5
+# then `tinyloop draft-vocab` and the measures in training/README.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder the results go to}"
+MINUTES=${MINUTES:-6}
+BATCH=${BATCH:-16}
+LR=${LR:-3e-4}
+SHARE=${SHARE:-0.6}
+RUN=${RUN:-/tmp/gpu-run}
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+mkdir -p "$OUT" "$RUN"
+SHIPPED=python/tinyloop/models/default.tinyloop
+python3 training/train.py --data data/chat --out "$RUN" --init-from "$SHIPPED" --distill-from "$SHIPPED" \
+    --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --loops-min 6 --loops-max 12 \
+    --exit-weights 1:0.1,2:0.2,half:0.15,last:1.0 --kv-share-frac "$SHARE" --kv-share-passes 2 \
+    --eval-every 2 2>&1 | tee "$OUT/train_log.txt"
+cp "$RUN/log.json" "$OUT/log.json"
+python3 - "$RUN/model.pt" "$RUN/weights.pt" <<'EOF'
+import sys
+
+import torch
+
+ckpt = torch.load(sys.argv[1], map_location="cpu")
+state = {k: v.half() if v.is_floating_point() else v for k, v in ckpt["state"].items()}
+torch.save({"cfg": ckpt["cfg"], "state": state, "tokens": ckpt["tokens"]}, sys.argv[2])
+EOF
+split -b 15000000 -d "$RUN/weights.pt" "$OUT/weights.pt."
+ls -l "$OUT"
