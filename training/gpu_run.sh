@@ -6,7 +6,8 @@
 #
 # Before, here:
 #   python training/dialogue.py --corpus data/corpus --out data/chat
-#   python -c 'import sys; sys.path.insert(0, "training"); import train; [train.tokenize(__import__("pathlib").Path(f"data/chat/{s}.txt")) for s in ("train", "heldout")]'
+#   python -c 'import sys, pathlib; sys.path.insert(0, "training"); from train import tokenize
+#              [tokenize(pathlib.Path("data/chat", s)) for s in ("train.txt", "heldout.txt")]'   # the .bin files
 #   pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # There (the two .bin files and .whl travel; nothing else under data/ needs to):
 #   OUT=/path/to/results MINUTES=6 training/gpu_run.sh

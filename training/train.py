@@ -118,6 +118,15 @@ def evaluate(
     return {d: math.exp(t / (n * ctx)) for d, t in totals.items()}
 
 
+def record_eval(args, model, held, log, step: int, tokens: int, depths: list[int], max_tokens: int, shared: bool):
+    """Evaluate per loop at `depths` (and at loops 8 through the shared cache when the run trains for it), append the
+    figures to the log and return them as one printable line."""
+    ppl = evaluate(model, held, args.context, depths, max_tokens)
+    kv = evaluate(model, held, args.context, [8], max_tokens, args.kv_share_passes) if shared else {}
+    log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": kv})
+    return f"held-out ppl {ppl}" + (f", with kv_share {kv}" if kv else "")
+
+
 def load_tinyloop(model: LoopedLM, path: Path) -> None:
     """Copy the weights of a `.tinyloop` file into `model` (dequantizing quantized tensors)."""
     import gguf
@@ -293,10 +302,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": [], "evals": []}
     if prior or args.init_from:  # where the run starts from, on the same windows as its later evaluations
-        ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-        shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if sharing else {}
-        log["evals"].append({"step": 0, "tokens": 0, "ppl": ppl, "kv_share_ppl": shared})
-        print(f"  held-out ppl at the start {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
+        print(f"  at the start: {record_eval(args, model, held, log, 0, 0, [1, 2, 4, 8], 16384, sharing)}", flush=True)
     budget = args.minutes * 60
     start = last_eval = time.time()
     step, tokens, ema = 0, 0, None
@@ -318,19 +324,14 @@ def main() -> int:
                 flush=True,
             )
         if time.time() - last_eval > args.eval_every * 60:
-            ppl = evaluate(model, held, args.context, [1, 2, 4, 8], 16384)
-            shared = evaluate(model, held, args.context, [8], 16384, args.kv_share_passes) if sharing else {}
-            log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
-            print(f"  held-out ppl {ppl}" + (f", with kv_share {shared}" if shared else ""), flush=True)
+            print(f"  {record_eval(args, model, held, log, step, tokens, [1, 2, 4, 8], 16384, sharing)}", flush=True)
             last_eval = time.time()
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
-    ppl = evaluate(model, held, args.context, [1, 2, 3, 4, 6, 8, 12, 16], 65536)
-    shared = evaluate(model, held, args.context, [8], 65536, args.kv_share_passes) if sharing else {}
-    log["evals"].append({"step": step, "tokens": tokens, "ppl": ppl, "kv_share_ppl": shared})
+    line = record_eval(args, model, held, log, step, tokens, [1, 2, 3, 4, 6, 8, 12, 16], 65536, sharing)
+    ppl = log["evals"][-1]["ppl"]
     minutes = (time.time() - start) / 60
     log["final"] = {"steps": step, "tokens": tokens, "total_tokens": prior + tokens, "minutes": minutes, "ppl": ppl}
-    with_shared = f", with kv_share {shared}" if shared else ""
-    print(f"done: {step} steps, {tokens:,} tokens; held-out ppl {ppl}{with_shared}", flush=True)
+    print(f"done: {step} steps, {tokens:,} tokens; {line}", flush=True)
     save(args.out / "model.pt", cfg, model, opt, prior + tokens)
     (args.out / "log.json").write_text(json.dumps(log))
     return 0
