@@ -11,6 +11,9 @@
 #   pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # There (the two .bin files and .whl travel; nothing else under data/ needs to):
 #   OUT=/path/to/results MINUTES=6 training/gpu_run.sh
+# (DATA=folder trains on another folder's train.bin / heldout.bin, e.g. the chat data and the plain corpus joined.)
+# The final weights come back as weights.pt.*, and those of the periodic evaluation nearest the middle of the run as
+# mid.pt.* (a fallback, should the held-out figures in train_log.txt turn before the end).
 # After, here:
 #   cat RESULTS/weights.pt.* > data/gpu/model.pt
 #   python training/export.py data/gpu/model.pt data/gpu/raw.tinyloop --max-trained-loops 12 \
@@ -23,6 +26,8 @@ MINUTES=${MINUTES:-6}
 BATCH=${BATCH:-16}
 LR=${LR:-3e-4}
 SHARE=${SHARE:-0.6}
+DATA=${DATA:-data/chat}
+EVERY=${EVERY:-1.5}
 RUN=${RUN:-/tmp/gpu-run}
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -32,19 +37,23 @@ fi
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 mkdir -p "$OUT" "$RUN"
 SHIPPED=python/tinyloop/models/default.tinyloop
-python3 training/train.py --data data/chat --out "$RUN" --init-from "$SHIPPED" --distill-from "$SHIPPED" \
+python3 training/train.py --data "$DATA" --out "$RUN" --init-from "$SHIPPED" --distill-from "$SHIPPED" \
     --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --loops-min 6 --loops-max 12 \
     --exit-weights 1:0.1,2:0.2,half:0.15,last:1.0 --kv-share-frac "$SHARE" --kv-share-passes 2 \
-    --eval-every 2 2>&1 | tee "$OUT/train_log.txt"
+    --eval-every "$EVERY" --keep-checkpoints 2>&1 | tee "$OUT/train_log.txt"
 cp "$RUN/log.json" "$OUT/log.json"
-python3 - "$RUN/model.pt" "$RUN/weights.pt" <<'EOF'
+MID=$(ls "$RUN"/model.step*.pt 2>/dev/null | sort -V | awk '{a[NR] = $0} END {if (NR) print a[int((NR + 1) / 2)]}')
+python3 - "$RUN/model.pt" "$RUN/weights.pt" ${MID:+"$MID" "$RUN/mid.pt"} <<'EOF'
 import sys
 
 import torch
 
-ckpt = torch.load(sys.argv[1], map_location="cpu")
-state = {k: v.half() if v.is_floating_point() else v for k, v in ckpt["state"].items()}
-torch.save({"cfg": ckpt["cfg"], "state": state, "tokens": ckpt["tokens"]}, sys.argv[2])
+for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
+    ckpt = torch.load(src, map_location="cpu")
+    state = {k: v.half() if v.is_floating_point() else v for k, v in ckpt["state"].items()}
+    torch.save({"cfg": ckpt["cfg"], "state": state, "tokens": ckpt["tokens"]}, dst)
+    print(f"{src}: {ckpt['tokens']:,} tokens -> {dst}")
 EOF
 split -b 15000000 -d "$RUN/weights.pt" "$OUT/weights.pt."
+if [ -n "$MID" ]; then split -b 15000000 -d "$RUN/mid.pt" "$OUT/mid.pt."; fi
 ls -l "$OUT"

@@ -198,6 +198,11 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--distill-weight", type=float, default=1.0, help="weight of that KL term in the loss")
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="also keep each periodic evaluation's checkpoint, as model.step<N>.pt beside model.pt",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", type=Path, default=None, help="continue from a model.pt (weights and optimizer)")
     ap.add_argument(
@@ -327,6 +332,8 @@ def main() -> int:
             print(f"  {record_eval(args, model, held, log, step, tokens, [1, 2, 4, 8], 16384, sharing)}", flush=True)
             last_eval = time.time()
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
+            if args.keep_checkpoints:
+                save(args.out / f"model.step{step}.pt", cfg, model, opt, prior + tokens)
     line = record_eval(args, model, held, log, step, tokens, [1, 2, 3, 4, 6, 8, 12, 16], 65536, sharing)
     ppl = log["evals"][-1]["ppl"]
     minutes = (time.time() - start) / 60
