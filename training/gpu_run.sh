@@ -28,6 +28,7 @@ LR=${LR:-3e-4}
 SHARE=${SHARE:-0.6}
 DATA=${DATA:-data/chat}
 EVERY=${EVERY:-1.5}
+PASSES=${PASSES:-2}
 RUN=${RUN:-/tmp/gpu-run}
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -39,7 +40,7 @@ mkdir -p "$OUT" "$RUN"
 SHIPPED=python/tinyloop/models/default.tinyloop
 python3 training/train.py --data "$DATA" --out "$RUN" --init-from "$SHIPPED" --distill-from "$SHIPPED" \
     --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --loops-min 6 --loops-max 12 \
-    --exit-weights 1:0.1,2:0.2,half:0.15,last:1.0 --kv-share-frac "$SHARE" --kv-share-passes 2 \
+    --exit-weights 1:0.1,2:0.2,half:0.15,last:1.0 --kv-share-frac "$SHARE" --kv-share-passes "$PASSES" \
     --eval-every "$EVERY" --keep-checkpoints 2>&1 | tee "$OUT/train_log.txt"
 cp "$RUN/log.json" "$OUT/log.json"
 MID=$(ls "$RUN"/model.step*.pt 2>/dev/null | sort -V | awk '{a[NR] = $0} END {if (NR) print a[int((NR + 1) / 2)]}')

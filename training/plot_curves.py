@@ -44,7 +44,7 @@ def main(*args: str) -> int:
     a.plot(t, _smooth(final), label="final exit (loop L)")
     for t in log["phase_starts"]:
         a.axvline(t / 60, color="gray", ls=":", lw=1)
-    a.set_xlabel("minutes (dotted: training continued with --resume)")
+    a.set_xlabel("minutes (dotted: the next run)")
     a.set_ylabel("training loss (smoothed)")
     a.set_ylim(top=min(10, np.nanmax(final)))
     a.legend()
@@ -56,6 +56,9 @@ def main(*args: str) -> int:
     for depth, style in [(1, "o-"), (8, "s-")]:
         ys = np.array([ev["ppl"].get(str(depth), ev["ppl"].get(depth, np.nan)) for ev in evals], dtype=float)
         b.plot(tokens, ys, style, ms=3, label=f"loops {depth}")
+    shared = np.array([ev.get("kv_share_ppl", {}).get("8", np.nan) for ev in evals], dtype=float)
+    if not np.isnan(shared).all():  # a run trained for kv_share="last" also checks loops 8 read through it
+        b.plot(tokens, shared, "^--", ms=3, label="loops 8, shared KV")
     for tok in log["phase_token_starts"]:
         b.axvline(tok / 1e6, color="gray", ls=":", lw=1)
     b.set_xlabel("tokens seen, millions (dotted: a new phase)")
