@@ -4,6 +4,8 @@ loop), so training for the shared cache trains what it decodes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,3 +137,28 @@ def test_tokenize_caches_the_split_and_reads_the_cache_alone(tmp_path):
     assert tokenize(text).tolist() == expected
     text.unlink()
     assert tokenize(text).tolist() == expected
+
+
+def test_keep_checkpoints_saves_each_periodic_evaluation(tmp_path):
+    """`train.py --keep-checkpoints` leaves model.step<N>.pt beside model.pt for every periodic evaluation, each
+    holding the weights and token count of that step as its log entry records them. With `--eval-every 0` every step
+    is evaluated, so at least one is kept however fast the machine."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4096), ("heldout", 512)):
+        rng.integers(0, 50257, n, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "training" / "train.py"), "--data", str(tmp_path),
+           "--out", str(out), "--minutes", "0.02", "--dim", "32", "--heads", "2", "--ffn", "64", "--k", "1",
+           "--context", "32", "--batch", "2", "--loops-min", "1", "--loops-max", "2", "--eval-every", "0",
+           "--keep-checkpoints", "--no-compile"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    log = json.loads((out / "log.json").read_text())
+    periodic = {e["step"]: e["tokens"] for e in log["evals"][:-1]}  # the last entry is the final evaluation
+    kept = {int(p.name[len("model.step") : -len(".pt")]): p for p in out.glob("model.step*.pt")}
+    assert kept and set(kept) == set(periodic)
+    final = torch.load(out / "model.pt", map_location="cpu")
+    for step, path in kept.items():
+        ckpt = torch.load(path, map_location="cpu")
+        assert ckpt["tokens"] == periodic[step] == step * 2 * 32
+        same = all(torch.equal(ckpt["state"][k], final["state"][k]) for k in final["state"])
+        assert same == (step == log["final"]["steps"]), step  # only a checkpoint of the last step equals the end
