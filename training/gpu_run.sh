@@ -15,8 +15,8 @@
 # The final weights come back as weights.pt.*, and those of the periodic evaluation nearest the middle of the run as
 # mid.pt.* (a fallback, should the held-out figures in train_log.txt turn before the end).
 # After, here:
-#   cat RESULTS/weights.pt.* > data/gpu/model.pt
-#   python training/export.py data/gpu/model.pt data/gpu/raw.tinyloop --max-trained-loops 12 \
+#   cat RESULTS/weights.pt.* > data/gpu-out/model.pt
+#   python training/export.py data/gpu-out/model.pt data/gpu-out/raw.tinyloop --max-trained-loops 12 \
 #       --generation frequency_penalty=0.5
 # then `tinyloop draft-vocab` and the measures in training/README.md.
 set -euo pipefail
