@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -333,7 +334,7 @@ def main() -> int:
             last_eval = time.time()
             save(args.out / "model.pt", cfg, model, opt, prior + tokens)
             if args.keep_checkpoints:
-                save(args.out / f"model.step{step}.pt", cfg, model, opt, prior + tokens)
+                shutil.copyfile(args.out / "model.pt", args.out / f"model.step{step}.pt")  # not serialized twice
     line = record_eval(args, model, held, log, step, tokens, [1, 2, 3, 4, 6, 8, 12, 16], 65536, sharing)
     ppl = log["evals"][-1]["ppl"]
     minutes = (time.time() - start) / 60
