@@ -203,6 +203,8 @@ struct ModelInfo {
     kv_share: String,
     /// Tokens speculative drafts may propose through the draft head; 0 when drafts use the full head.
     draft_vocab_size: usize,
+    /// Tokens `loops="auto"`'s settling rule compares successive loops over; 0 when it reads the full head.
+    exit_vocab_size: usize,
 }
 
 #[pymethods]
@@ -739,6 +741,7 @@ impl Engine {
             kv_cache_mode: self.inner.kv_cache_mode.clone(),
             kv_share: if self.inner.model.kv_share() { "last" } else { "none" }.to_string(),
             draft_vocab_size: self.inner.model.draft_vocab_len_in_use(),
+            exit_vocab_size: self.inner.model.exit_vocab_len(),
         }
     }
 

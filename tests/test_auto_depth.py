@@ -15,6 +15,7 @@ import tinyloop
 from reference import head_logits, layer_over_past
 from shapes import TINY
 from tinyloop import AutoDepth, SamplingParams
+from tinyloop.modelfile.draft_vocab import write_vocabularies
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -23,12 +24,14 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 
 
 class AutoReference:
-    """The adaptive rule in float64 over a model without a draft vocabulary (the exit distribution is the full
-    head's). The prompt runs every loop; each later token runs loops until the rule stops it, and the loops it
-    skipped get its last loop's K/V. `kls` records every divergence the rule compared, for the margin check."""
+    """The adaptive rule in float64. The exit distribution is the softmax over the head's `exit_ids` rows (None: all
+    rows, as on a file without an exit or draft vocabulary). The prompt runs every loop; each later token runs loops
+    until the rule stops it, and the loops it skipped get its last loop's K/V. `kls` records every divergence the
+    rule compared, for the margin check."""
 
-    def __init__(self, cfg, weights, loops: int, min_loops: int, threshold: float, kv=np.float32):
+    def __init__(self, cfg, weights, loops: int, min_loops: int, threshold: float, kv=np.float32, exit_ids=None):
         self.cfg, self.loops, self.min_loops, self.threshold, self.kv = cfg, loops, min_loops, threshold, kv
+        self.exit_ids = slice(None) if exit_ids is None else np.asarray(exit_ids)
         self.w = {k: v.astype(np.float64) for k, v in weights.items()}
         self.kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.n = 0
@@ -69,7 +72,7 @@ class AutoReference:
             d = lp + 1
             if d == self.loops or d + 1 < first:
                 continue
-            logp = _log_softmax(head_logits(cfg, self.w, x)[0])
+            logp = _log_softmax(head_logits(cfg, self.w, x)[0][self.exit_ids])
             if d >= first and prev is not None:
                 kl = float(np.sum(np.exp(logp) * (logp - prev)))
                 self.kls.append(kl)
@@ -89,8 +92,8 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(50257) for _ in range(n)]
 
 
-def _greedy_reference(tiny, prompt, loops, min_loops, threshold, n, kv=np.float32):
-    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold, kv)
+def _greedy_reference(tiny, prompt, loops, min_loops, threshold, n, kv=np.float32, exit_ids=None):
+    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold, kv, exit_ids)
     logits, tokens, depths = ref.prompt(prompt), [], []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
@@ -129,8 +132,8 @@ def test_generation_follows_the_reference_rule(tiny, loops, min_loops, mode):
     assert list(fixed.tokens) != want or sum(depths) < loops * len(depths)
 
 
-def _scored_reference(tiny, ids, loops, min_loops, threshold):
-    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold)
+def _scored_reference(tiny, ids, loops, min_loops, threshold, exit_ids=None):
+    ref = AutoReference(tiny.cfg, tiny.weights, loops, min_loops, threshold, exit_ids=exit_ids)
     logits, logps, depths = ref.prompt(ids[:1]), [], [loops]
     for i, t in enumerate(ids[1:]):
         logps.append(_log_softmax(logits)[t])
@@ -147,6 +150,39 @@ def test_scoring_under_the_rule_matches_the_reference(tiny):
     logps, depths = engine.score_auto(ids, AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold))
     assert depths == want_d and min(depths) < loops
     assert np.abs(np.asarray(logps) - np.asarray(want_lp)).max() < 1e-3
+
+
+def test_the_rule_compares_over_the_exit_vocabulary(tiny, tmp_path):
+    """A file listing an exit vocabulary: the rule compares loops over those rows, not over the draft vocabulary the
+    file also lists (nor the full head); generation and scoring follow the reference restricted to them."""
+    rng = np.random.default_rng(5)
+    chosen = rng.choice(50257, 1040, replace=False)
+    exit_ids, draft_ids = chosen[:16], chosen[16:]
+    path = tmp_path / "exit.tinyloop"
+    write_vocabularies(tiny.path, path, [int(t) for t in draft_ids], [int(t) for t in exit_ids])
+    engine = tinyloop.Engine(path)
+    assert (engine.info.exit_vocab_size, engine.info.draft_vocab_size) == (16, 1024)
+    exit_ids = np.sort(exit_ids)
+    loops, min_loops, ids = 5, 2, _prompt(14, seed=7)
+
+    def scored(th, listed=exit_ids):
+        return _scored_reference(tiny, ids, loops, min_loops, th, exit_ids=listed)
+
+    threshold, want_lp, want_d = _clear_threshold(scored)
+    logps, depths = engine.score_auto(ids, AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold))
+    assert depths == want_d and np.abs(np.asarray(logps) - np.asarray(want_lp)).max() < 1e-3
+    assert scored(threshold, np.sort(draft_ids))[1] != want_d != scored(threshold, None)[1]
+
+    prompt, n = _prompt(9, seed=3), 12
+    threshold, want, depths = _clear_threshold(
+        lambda th: _greedy_reference(tiny, prompt, loops, min_loops, th, n, exit_ids=exit_ids)
+    )
+    out = engine.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        loops=AutoDepth(min_loops=min_loops, max_loops=loops, threshold=threshold),
+    )
+    assert (list(out.tokens), out.auto_loops) == (want, (len(depths), sum(depths)))
 
 
 def test_threshold_zero_runs_every_loop_and_matches_fixed_depth(tiny):

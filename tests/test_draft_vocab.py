@@ -1,5 +1,6 @@
-"""The draft vocabulary (`tinyloop draft-vocab`, rust/draft_head.rs): drafts propose only listed tokens, through a
-head of those rows alone; output is still exactly plain generation's (greedy) or plain sampling's distribution."""
+"""The draft and exit vocabularies (`tinyloop draft-vocab`, rust/model/row_head.rs): drafts propose only listed
+tokens, through a head of those rows alone; output is still exactly plain generation's (greedy) or plain sampling's
+distribution. (The exit vocabulary's use by `loops="auto"` is tested in test_auto_depth.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import TINY
 from test_batch import SPECULATIVE, _alone, _batched, _requests
 from test_speculative import homogeneity, outcomes, prompts
 from tinyloop import SamplingParams
-from tinyloop.modelfile.draft_vocab import KEY, count_tokens, coverage, top_tokens, write_with_draft_vocab
+from tinyloop.modelfile.draft_vocab import EXIT_KEY, KEY, count_tokens, coverage, top_tokens, write_vocabularies
 from tinyloop.modelfile.format import V, read_gguf, write_gguf
 from tinyloop.modelfile.vocab import tiktoken_gpt2
 
@@ -25,7 +26,7 @@ SAMPLE = Path(__file__).parent / "data" / "heldout_sample.txt"
 
 def with_vocab(src: Path, tmp_path: Path, ids, name: str = "dv.tinyloop") -> Path:
     out = tmp_path / name
-    write_with_draft_vocab(src, out, list(ids))
+    write_vocabularies(src, out, list(ids))
     return out
 
 
@@ -55,14 +56,25 @@ def test_rewrite_keeps_every_tensor_bit_for_bit(model_factory, tmp_path, weight_
     for name, (array, ttype) in before.tensors.items():
         assert after.tensors[name][1] == ttype
         assert np.array_equal(after.tensors[name][0], array), name
-    assert list(after.metadata[KEY][0]) == [3, 7, 50256]
-    assert tinyloop.Engine(out).info.draft_vocab_size == 3
+    assert list(after.metadata[KEY][0]) == [3, 7, 50256] and EXIT_KEY not in after.metadata
+    assert (tinyloop.Engine(out).info.draft_vocab_size, tinyloop.Engine(out).info.exit_vocab_size) == (3, 3)
     assert tinyloop.Engine(out, draft_vocab=False).info.draft_vocab_size == 0
-    assert tinyloop.Engine(src).info.draft_vocab_size == 0
+    assert (tinyloop.Engine(src).info.draft_vocab_size, tinyloop.Engine(src).info.exit_vocab_size) == (0, 0)
     with pytest.raises(ValueError, match="outside"):
         with_vocab(src, tmp_path, [50257], name="bad.tinyloop")
+    # An exit vocabulary: written beside the draft one, dropped when a later rewrite lists none.
+    both = tmp_path / "both.tinyloop"
+    write_vocabularies(out, both, [5, 6], [9, 2, 9])
+    meta = read_gguf(both, raw=True).metadata
+    assert (list(meta[KEY][0]), list(meta[EXIT_KEY][0])) == ([5, 6], [2, 9])
+    assert (tinyloop.Engine(both).info.draft_vocab_size, tinyloop.Engine(both).info.exit_vocab_size) == (2, 2)
+    write_vocabularies(both, both, [5])
+    assert EXIT_KEY not in read_gguf(both, raw=True).metadata
+    with pytest.raises(ValueError, match="token id 60000 is outside"):
+        write_vocabularies(src, tmp_path / "bad.tinyloop", [5], [60000])
 
 
+@pytest.mark.parametrize("key", [KEY, EXIT_KEY])
 @pytest.mark.parametrize(
     "ids, item, message",
     [
@@ -72,14 +84,14 @@ def test_rewrite_keeps_every_tensor_bit_for_bit(model_factory, tmp_path, weight_
         (["a"], V.STRING, "integers"),
     ],
 )
-def test_bad_lists_are_load_errors(tiny, tmp_path, ids, item, message):
+def test_bad_lists_are_load_errors(tiny, tmp_path, key, ids, item, message):
     c = read_gguf(tiny.path, raw=True)
-    c.metadata[KEY] = (ids, V.ARRAY, item)
+    c.metadata[key] = (ids, V.ARRAY, item)
     path = tmp_path / "bad.tinyloop"
     write_gguf(path, c)
     with pytest.raises(tinyloop.ModelLoadError, match=message) as e:
         tinyloop.Engine(path)
-    assert KEY in str(e.value)
+    assert key in str(e.value)
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "F16"])
@@ -175,6 +187,8 @@ def test_cli(tiny, tmp_path):
             str(corpus),
             "--size",
             "4",
+            "--exit-size",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -184,6 +198,14 @@ def test_cli(tiny, tmp_path):
     enc = tiktoken_gpt2()
     counts = Counter(enc.encode_ordinary("the cat sat on the mat") + enc.encode_ordinary("the dog sat"))
     top3 = [t for t, _ in sorted(counts.items(), key=lambda e: (-e[1], e[0]))[:3]]
-    assert list(read_gguf(out, raw=True).metadata[KEY][0]) == sorted([*top3, 50256])
+    meta = read_gguf(out, raw=True).metadata
+    assert list(meta[KEY][0]) == sorted([*top3, 50256]) and list(meta[EXIT_KEY][0]) == sorted(top3[:2])
     share = sum(counts[t] for t in top3) / sum(counts.values())
-    assert f"4 draft tokens, covering {share:.1%}" in r.stdout
+    assert f"4 draft tokens, covering {share:.1%} of the corpus's tokens; 2 exit tokens" in r.stdout
+    command = [sys.executable, "-m", "tinyloop", "draft-vocab", str(tiny.path), str(out), "--corpus", str(corpus)]
+    bad = subprocess.run(
+        [*command, "--exit-size", "-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 1 and "exit size must be >= 0, got -1" in bad.stderr

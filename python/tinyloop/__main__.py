@@ -5,7 +5,7 @@ tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L|auto] [--
 tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
 tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
 tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
-tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N]   # cheaper speculative drafts
+tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N] [--exit-size N]   # cheaper drafts, exit checks
 tinyloop launch [--client C] [--model M] [--port N] [--dry-run] [-- SERVE_FLAGS]   # serve, and set up a coding client
 """
 
@@ -109,8 +109,17 @@ def _draft_vocab(args: argparse.Namespace) -> int:
 
     from .modelfile.draft_vocab import build
 
-    ids, covered = build(Path(args.input), Path(args.output), Path(args.corpus), size=args.size)
-    print(f"wrote {args.output}: {len(ids)} draft tokens, covering {covered:.1%} of the corpus's tokens")
+    try:
+        ids, exit_ids, covered = build(
+            Path(args.input), Path(args.output), Path(args.corpus), size=args.size, exit_size=args.exit_size
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.output}: {len(ids)} draft tokens, covering {covered:.1%} of the corpus's tokens; "
+        f"{len(exit_ids)} exit tokens"
+    )
     return 0
 
 
@@ -187,7 +196,13 @@ def _file_commands(sub) -> None:
     p.add_argument(
         "--corpus", required=True, help="text to count tokens in (passages separated by <|endoftext|> lines)"
     )
-    p.add_argument("--size", type=int, default=4096, help="tokens to keep (default 4096)")
+    p.add_argument("--size", type=int, default=4096, help="draft tokens to keep (default 4096)")
+    p.add_argument(
+        "--exit-size",
+        type=int,
+        default=256,
+        help="tokens loops='auto' compares successive loops over (default 256; 0: none, the draft tokens serve)",
+    )
     p.set_defaults(run=_draft_vocab)
 
 

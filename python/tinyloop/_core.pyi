@@ -167,6 +167,9 @@ class ModelInfo:
     @property
     def draft_vocab_size(self) -> int:
         """Tokens speculative drafts may propose via the draft head; 0: drafts use the full head."""
+    @property
+    def exit_vocab_size(self) -> int:
+        """Tokens `loops="auto"`'s settling rule compares successive loops over; 0: it reads the full head."""
 
 @final
 class Speculative:

@@ -80,7 +80,7 @@ impl Engine {
 
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
         isa::requested().map_err(Error::InvalidArgument)?;
-        let ModelFile { config, vocab, tensors, quant, draft_ids, chat_template, generation } = loader::load(path)?;
+        let ModelFile { config, vocab, tensors, quant, head_rows, chat_template, generation } = loader::load(path)?;
         let tokenizer = Arc::new(Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),
             what: "tokenizer.ggml.tokens/merges".into(),
@@ -88,7 +88,7 @@ impl Engine {
         })?);
         let max_seq_len = max_seq_len.unwrap_or(config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
-        let mut model = Model::new(config, tensors, draft_ids)?;
+        let mut model = Model::new(config, tensors, head_rows)?;
         let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);
         let grammars = Grammars::new(tokenizer.clone(), model.cfg.vocab_size);

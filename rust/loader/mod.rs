@@ -14,7 +14,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::{Error, Result};
 use crate::limits::{MAX_CONTEXT, MAX_DIM, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS, MAX_LOOPS, MAX_TENSORS, MAX_TOP_K};
-use crate::model::{Config, RopeScaling};
+use crate::model::{Config, HeadRows, RopeScaling};
 use gguf::{Gguf, Source, Value};
 pub use pretokenizer::PreTokenizer;
 
@@ -58,8 +58,9 @@ pub struct ModelFile {
     /// weights (a quantizer's fallback type for a few tensors, like Q2_K's for rows not a multiple of 256, does not
     /// change the label); "mixed" only when no type holds a majority.
     pub quant: String,
-    /// `tinyloop.draft.token_ids`: the tokens speculative drafts may propose (`model::draft_head`), if listed.
-    pub draft_ids: Option<Vec<u32>>,
+    /// `tinyloop.draft.token_ids` and `tinyloop.exit.token_ids`: the tokens speculative drafts may propose and
+    /// the tokens adaptive depth's settling rule compares loops over (`model::row_head`), each if listed.
+    pub head_rows: HeadRows,
     /// `tokenizer.chat_template`: the Jinja template a chat is rendered with (as Hugging Face writes it), if any.
     pub chat_template: Option<String>,
     /// `tinyloop.generation.*`: the sampling settings the file recommends, by field name.
@@ -352,15 +353,17 @@ const LOOP_NORM: &str = "tinyloop.loop_norm";
 const EXIT_THRESHOLD: &str = "tinyloop.exit_threshold";
 const ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 
-/// The optional draft vocabulary: distinct token ids, each inside the vocabulary.
 const CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+const DRAFT_IDS: &str = "tinyloop.draft.token_ids";
+const EXIT_IDS: &str = "tinyloop.exit.token_ids";
 
-fn read_draft_ids(r: &Reader, vocab_size: usize) -> Result<Option<Vec<u32>>> {
-    const KEY: &str = "tinyloop.draft.token_ids";
-    match r.metadata.contains_key(KEY) {
-        true => Ok(Some(r.token_ids(KEY, vocab_size)?)),
+/// The optional token lists of row heads: distinct token ids, each inside the vocabulary.
+fn read_head_rows(r: &Reader, vocab_size: usize) -> Result<HeadRows> {
+    let ids = |key| match r.metadata.contains_key(key) {
+        true => r.token_ids(key, vocab_size).map(Some),
         false => Ok(None),
-    }
+    };
+    Ok(HeadRows { draft: ids(DRAFT_IDS)?, exit: ids(EXIT_IDS)? })
 }
 
 /// Every tensor the config implies, with candle's (row-major, outermost first) shape.
@@ -465,13 +468,13 @@ fn load_from<R: Read + Seek>(path: &Path, reader: R) -> Result<ModelFile> {
         tensors.insert(name.clone(), t);
     }
     let quant = majority_label(&block_types);
-    let draft_ids = read_draft_ids(&r, config.vocab_size)?;
+    let head_rows = read_head_rows(&r, config.vocab_size)?;
     let chat_template = match r.metadata.contains_key(CHAT_TEMPLATE) {
         true => Some(r.string(CHAT_TEMPLATE)?.to_string()),
         false => None,
     };
     let generation = read_generation(&r)?;
-    Ok(ModelFile { config, vocab, tensors, quant, draft_ids, chat_template, generation })
+    Ok(ModelFile { config, vocab, tensors, quant, head_rows, chat_template, generation })
 }
 
 /// A tensor the config implies has that shape, a type allowed for its rank, and rows of whole blocks.
@@ -626,7 +629,7 @@ mod tests {
     fn minimal_model_loads() {
         let m = load_bytes(&model(2, 1, true)).unwrap();
         assert_eq!((m.config.dim, m.config.vocab_size, m.tensors.len(), m.quant.as_str()), (2, 1, 11, "fp16"));
-        assert_eq!(m.draft_ids, Some(vec![0]));
+        assert_eq!(m.head_rows, HeadRows { draft: Some(vec![0]), exit: None });
     }
 
     #[test]

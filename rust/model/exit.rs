@@ -165,10 +165,11 @@ impl Model {
     }
 
     /// The exit distribution of hidden rows `h (n, dim)`, each row as (log-probabilities, probabilities): over the
-    /// draft vocabulary with the draft head when the file has one (a twelfth of the full head's cost on the default
-    /// model), else over all tokens. One vectorized exponential pass per row gives both.
+    /// file's exit vocabulary when it lists one (256 tokens on the default model: a two-hundredth of the full head's
+    /// cost), else over its draft vocabulary, else over all tokens. One vectorized exponential pass per row gives
+    /// both.
     fn exit_logprobs(&self, h: &Tensor) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
-        let logits = profile::time(Stage::Head, || match &self.draft_head {
+        let logits = profile::time(Stage::Head, || match self.settle_head() {
             Some(d) => d.small_logits(&self.final_norm(h)?),
             None => self.head_logits(h),
         })?;

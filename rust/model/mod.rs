@@ -7,12 +7,12 @@
 
 mod config;
 mod depth;
-mod draft_head;
 mod exit;
 mod layer;
 mod linear;
 mod norm;
 mod rope;
+mod row_head;
 mod rows;
 
 use std::collections::HashMap;
@@ -25,10 +25,11 @@ use candle_core::{DType, Device, Tensor};
 
 pub use config::{Config, RopeScaling};
 pub use depth::AutoDepth;
-use draft_head::DraftHead;
 use layer::{norm, take, Layer};
 pub use linear::Linear;
 use rope::Rope;
+pub use row_head::HeadRows;
+use row_head::RowHead;
 pub use rows::{LogitRows, RowBlock, SeqChunk, TreeRows};
 
 use crate::error::Result;
@@ -42,7 +43,9 @@ pub struct Model {
     embd: Linear,
     head: Linear,
     /// The head over the file's draft vocabulary, for speculative drafts (used while `use_draft_head`).
-    draft_head: Option<DraftHead>,
+    draft_head: Option<RowHead>,
+    /// The head over the file's exit vocabulary, for the settling rule's checks (`exit.rs`).
+    exit_head: Option<RowHead>,
     use_draft_head: bool,
     /// The early-exit gate (`exit_gate.weight` as `(dim, 1)`, `exit_gate.bias`), when the file has one.
     exit_gate: Option<(Tensor, f32)>,
@@ -74,13 +77,15 @@ fn pad_rows_for_kernels(t: Arc<QTensor>) -> Result<Arc<QTensor>> {
 }
 
 impl Model {
-    /// The model of shape `cfg` over the loader's checked `tensors`; `draft_ids` lists the draft vocabulary, if any.
-    pub fn new(cfg: Config, mut tensors: HashMap<String, QTensor>, draft_ids: Option<Vec<u32>>) -> Result<Self> {
+    /// The model of shape `cfg` over the loader's checked `tensors`; `rows` lists the draft and exit vocabularies,
+    /// if any.
+    pub fn new(cfg: Config, mut tensors: HashMap<String, QTensor>, rows: HeadRows) -> Result<Self> {
         let all_f32 = tensors.values().all(|t| t.dtype() == GgmlDType::F32);
         let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
         let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
         let head_t = pad_rows_for_kernels(head_t)?;
-        let draft_head = draft_ids.map(|ids| DraftHead::new(&head_t, &ids, cfg.vocab_size)).transpose()?;
+        let row_head = |ids: Option<Vec<u32>>| ids.map(|ids| RowHead::new(&head_t, &ids, cfg.vocab_size)).transpose();
+        let (draft_head, exit_head) = (row_head(rows.draft)?, row_head(rows.exit)?);
         let tied = Arc::ptr_eq(&embd_t, &head_t); // tied, and no padding needed: one copy serves both
         let embd = Linear::new(embd_t)?;
         let head = if tied { embd.clone() } else { Linear::new(head_t)? };
@@ -112,6 +117,7 @@ impl Model {
             embd,
             head,
             draft_head,
+            exit_head,
             use_draft_head,
             exit_gate,
             output_norm,
@@ -294,6 +300,17 @@ impl Model {
             Some(d) if self.use_draft_head => d.len(),
             _ => 0,
         }
+    }
+
+    /// Tokens the settling rule compares successive loops over: the exit vocabulary, else the draft vocabulary; 0
+    /// when it reads the full head.
+    pub fn exit_vocab_len(&self) -> usize {
+        self.settle_head().map_or(0, RowHead::len)
+    }
+
+    /// The head the settling rule's checks read, when not the full head.
+    fn settle_head(&self) -> Option<&RowHead> {
+        self.exit_head.as_ref().or(self.draft_head.as_ref())
     }
 
     /// Draft with the file's draft vocabulary (the default when it lists one) or with the full head.

@@ -1,11 +1,17 @@
-"""The draft vocabulary: the tokens speculative drafts may propose, stored in the model file.
+"""The draft and exit vocabularies: a corpus's most frequent tokens, stored in the model file.
 
-    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size 4096]
+    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size 4096] [--exit-size 256]
 
-counts the tokens of a corpus (the model's training text, say), keeps the `size` most frequent (and always the end
-of text token) and writes the model again with `tinyloop.draft.token_ids` added — tensors and every other key as
-they were. The engine then drafts through those rows of the head only (rust/draft_head.rs): a draft costs a small
-fraction of the full 50,257-row head, and since verification reads the full head, output does not change.
+counts the tokens of a corpus (the model's training text, say) and writes the model again with two lists added —
+tensors and every other key as they were:
+
+- `tinyloop.draft.token_ids`, the `size` most frequent tokens (and always the end of text token): speculative drafts
+  read only those rows of the head (rust/model/row_head.rs), a small fraction of the full 50,257-row head; since
+  verification reads the full head, output does not change.
+- `tinyloop.exit.token_ids`, the `exit_size` most frequent: the tokens `loops: "auto"`'s settling rule compares
+  successive loops over. The rule only asks whether the distribution still moves, and the most frequent tokens
+  carry most of its mass, so a check costs a two-hundredth of the full head. `exit_size=0` writes no such list (the
+  rule then compares over the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from .format import GGUFContents, V, read_gguf, write_gguf
 
 KEY = "tinyloop.draft.token_ids"
+EXIT_KEY = "tinyloop.exit.token_ids"
 PASSAGE_SEPARATOR = "\n<|endoftext|>\n"
 
 
@@ -49,26 +56,38 @@ def coverage(counts: Counter[int], ids: Iterable[int]) -> float:
     return sum(counts[t] for t in set(ids)) / total if total else 0.0
 
 
-def write_with_draft_vocab(src: str | PathLike[str], dst: str | PathLike[str], ids: list[int]) -> None:
-    """Copy a model file, its tensors bit for bit, with the draft vocabulary key set to `ids`."""
+def write_vocabularies(
+    src: str | PathLike[str], dst: str | PathLike[str], ids: list[int], exit_ids: list[int] | None = None
+) -> None:
+    """Copy a model file, its tensors bit for bit, with the draft vocabulary set to `ids` and the exit vocabulary to
+    `exit_ids` (None: the file's exit vocabulary, if any, is dropped)."""
     contents = read_gguf(src, raw=True)
     vocab_size = len(contents.metadata["tokenizer.ggml.tokens"][0])
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = [t for t in [*ids, *(exit_ids or [])] if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the {vocab_size}-token vocabulary")
     metadata = dict(contents.metadata)
     metadata[KEY] = (sorted(set(ids)), V.ARRAY, V.UINT32)
+    metadata.pop(EXIT_KEY, None)
+    if exit_ids is not None:
+        metadata[EXIT_KEY] = (sorted(set(exit_ids)), V.ARRAY, V.UINT32)
     tmp = Path(f"{dst}.tmp")  # then renamed: `dst` may be `src`, still mapped by the reader
     write_gguf(tmp, GGUFContents(metadata, contents.tensors))
     os.replace(tmp, dst)
 
 
-def build(src: Path, dst: Path, corpus: Path, size: int = 4096) -> tuple[list[int], float]:
-    """Count `corpus` with the model's own tokenizer, write `dst`; returns the ids and their corpus coverage."""
+def build(
+    src: Path, dst: Path, corpus: Path, size: int = 4096, exit_size: int = 256
+) -> tuple[list[int], list[int], float]:
+    """Count `corpus` with the model's own tokenizer, write `dst`; returns the draft ids, the exit ids (empty when
+    `exit_size` is 0) and the draft ids' corpus coverage."""
     from .. import Engine
 
+    if exit_size < 0:
+        raise ValueError(f"exit size must be >= 0, got {exit_size}")
     engine = Engine(src)
     counts = count_tokens(engine.encode, corpus.read_text(encoding="utf-8"))
     ids = top_tokens(counts, size, always=[engine.eos_token_id])
-    write_with_draft_vocab(src, dst, ids)
-    return ids, coverage(counts, ids)
+    exit_ids = top_tokens(counts, exit_size) if exit_size else []
+    write_vocabularies(src, dst, ids, exit_ids or None)
+    return ids, exit_ids, coverage(counts, ids)

@@ -1,12 +1,18 @@
-//! The draft head: the output head restricted to a model's most frequent tokens, for speculative drafts only.
+//! A head over listed rows of the output head: the model's most frequent tokens, where a full distribution is not
+//! needed.
 //!
-//! On a small looped model the 50,257-row head costs as much as many loops, and every draft pays it. A file may list
-//! a draft vocabulary (`tinyloop.draft.token_ids`, written by `tinyloop draft-vocab` from a corpus); drafts then take
-//! their logits from those rows of the head alone, with every other token at −∞. Only proposals change: the
-//! verifier always reads the full head, so greedy output is still plain generation's, token for token, and sampled
-//! output keeps plain sampling's distribution (the speculative-sampling rule only needs q to be the distribution the
-//! draft was drawn from, which it is). A token outside the list is never drafted; its position is then corrected by
-//! the verifier, as any rejected draft is.
+//! On a small looped model the 50,257-row head costs as much as many loops. A file may list two such vocabularies,
+//! both written by `tinyloop draft-vocab` from a corpus:
+//!
+//! - the **draft vocabulary** (`tinyloop.draft.token_ids`): speculative drafts take their logits from those rows
+//!   alone, with every other token at −∞. Only proposals change: the verifier always reads the full head, so greedy
+//!   output is still plain generation's, token for token, and sampled output keeps plain sampling's distribution
+//!   (the speculative-sampling rule only needs q to be the distribution the draft was drawn from, which it is). A
+//!   token outside the list is never drafted; its position is then corrected by the verifier, as any rejected draft
+//!   is.
+//! - the **exit vocabulary** (`tinyloop.exit.token_ids`): adaptive depth's settling rule compares successive loops'
+//!   distributions over those rows (`exit.rs`). The comparison only decides how many loops a token runs; the token
+//!   itself is chosen from the full head at its exit loop.
 
 use std::sync::Arc;
 
@@ -17,20 +23,27 @@ use candle_core::{Device, Tensor};
 use super::linear::Linear;
 use crate::error::{Error, Result};
 
-pub struct DraftHead {
+/// The token lists a file gives for row heads, each optional: the draft and the exit vocabulary.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadRows {
+    pub draft: Option<Vec<u32>>,
+    pub exit: Option<Vec<u32>>,
+}
+
+pub struct RowHead {
     /// Vocabulary ids of the rows, ascending.
     ids: Vec<u32>,
     head: Linear,
 }
 
-impl DraftHead {
+impl RowHead {
     /// Rows `ids` of the (possibly padded) head tensor, in the head's own storage type.
     pub fn new(head: &QTensor, ids: &[u32], vocab_size: usize) -> Result<Self> {
         let mut ids = ids.to_vec();
         ids.sort_unstable();
         ids.dedup();
         if ids.is_empty() || ids.last().is_some_and(|&t| t as usize >= vocab_size) {
-            return Err(Error::Internal(format!("draft vocabulary must be non-empty ids below {vocab_size}")));
+            return Err(Error::Internal(format!("a head's token list must be non-empty ids below {vocab_size}")));
         }
         let (rows, cols) = head.shape().dims2()?;
         let raw = head.data()?;
