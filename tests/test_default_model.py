@@ -49,6 +49,7 @@ def test_default_model_is_what_the_server_loads():
     assert (info.vocab_size, info.default_loops) == (50257, 8)
     assert info.draft_vocab_size == 4096  # drafts through the 4,096 most frequent training tokens (docs/speculative.md)
     assert info.exit_vocab_size == 256  # loops="auto" compares loops over the 256 most frequent (docs/model.md)
+    assert tinyloop.Engine(DEFAULT).exit_threshold == pytest.approx(0.0025)  # measured for them (docs/model.md)
 
 
 @pytest.mark.parametrize("kv_cache_mode", ["fp16", "int8"])

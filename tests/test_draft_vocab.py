@@ -64,14 +64,20 @@ def test_rewrite_keeps_every_tensor_bit_for_bit(model_factory, tmp_path, weight_
         with_vocab(src, tmp_path, [50257], name="bad.tinyloop")
     # An exit vocabulary: written beside the draft one, dropped when a later rewrite lists none.
     both = tmp_path / "both.tinyloop"
-    write_vocabularies(out, both, [5, 6], [9, 2, 9])
+    write_vocabularies(out, both, [5, 6], [9, 2, 9], exit_threshold=0.002)
     meta = read_gguf(both, raw=True).metadata
     assert (list(meta[KEY][0]), list(meta[EXIT_KEY][0])) == ([5, 6], [2, 9])
-    assert (tinyloop.Engine(both).info.draft_vocab_size, tinyloop.Engine(both).info.exit_vocab_size) == (2, 2)
-    write_vocabularies(both, both, [5])
+    engine = tinyloop.Engine(both)
+    assert (engine.info.draft_vocab_size, engine.info.exit_vocab_size) == (2, 2)
+    assert engine.exit_threshold == pytest.approx(0.002) != tinyloop.Engine(src).exit_threshold
+    write_vocabularies(both, both, [5])  # the threshold stays; the exit vocabulary goes
     assert EXIT_KEY not in read_gguf(both, raw=True).metadata
+    assert tinyloop.Engine(both).exit_threshold == pytest.approx(0.002)
     with pytest.raises(ValueError, match="token id 60000 is outside"):
         write_vocabularies(src, tmp_path / "bad.tinyloop", [5], [60000])
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="exit threshold must be finite and >= 0"):
+            write_vocabularies(src, tmp_path / "bad.tinyloop", [5], exit_threshold=bad)
 
 
 @pytest.mark.parametrize("key", [KEY, EXIT_KEY])
@@ -189,6 +195,8 @@ def test_cli(tiny, tmp_path):
             "4",
             "--exit-size",
             "2",
+            "--exit-threshold",
+            "0.0025",
         ],
         capture_output=True,
         text=True,
@@ -202,6 +210,7 @@ def test_cli(tiny, tmp_path):
     assert list(meta[KEY][0]) == sorted([*top3, 50256]) and list(meta[EXIT_KEY][0]) == sorted(top3[:2])
     share = sum(counts[t] for t in top3) / sum(counts.values())
     assert f"4 draft tokens, covering {share:.1%} of the corpus's tokens; 2 exit tokens" in r.stdout
+    assert tinyloop.Engine(out).exit_threshold == pytest.approx(0.0025)
     command = [sys.executable, "-m", "tinyloop", "draft-vocab", str(tiny.path), str(out), "--corpus", str(corpus)]
     bad = subprocess.run(
         [*command, "--exit-size", "-1"],

@@ -111,7 +111,12 @@ def _draft_vocab(args: argparse.Namespace) -> int:
 
     try:
         ids, exit_ids, covered = build(
-            Path(args.input), Path(args.output), Path(args.corpus), size=args.size, exit_size=args.exit_size
+            Path(args.input),
+            Path(args.output),
+            Path(args.corpus),
+            size=args.size,
+            exit_size=args.exit_size,
+            exit_threshold=args.exit_threshold,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -202,6 +207,12 @@ def _file_commands(sub) -> None:
         type=int,
         default=256,
         help="tokens loops='auto' compares successive loops over (default 256; 0: none, the draft tokens serve)",
+    )
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="store this as the file's default loops='auto' threshold (default: leave the file's as it is)",
     )
     p.set_defaults(run=_draft_vocab)
 

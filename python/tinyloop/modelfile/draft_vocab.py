@@ -1,6 +1,6 @@
 """The draft and exit vocabularies: a corpus's most frequent tokens, stored in the model file.
 
-    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size 4096] [--exit-size 256]
+    tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size 4096] [--exit-size 256] [--exit-threshold T]
 
 counts the tokens of a corpus (the model's training text, say) and writes the model again with two lists added —
 tensors and every other key as they were:
@@ -10,12 +10,15 @@ tensors and every other key as they were:
   verification reads the full head, output does not change.
 - `tinyloop.exit.token_ids`, the `exit_size` most frequent: the tokens `loops: "auto"`'s settling rule compares
   successive loops over. The rule only asks whether the distribution still moves, and the most frequent tokens
-  carry most of its mass, so a check costs a two-hundredth of the full head. `exit_size=0` writes no such list (the
-  rule then compares over the draft vocabulary).
+  carry much of its mass (the default model's 256: 63% of its training tokens), so a check costs a two-hundredth of the full head. `exit_size=0` writes no such list (the
+  rule then compares over the draft vocabulary). A divergence over 256 tokens is not one over 4,096, so the
+  threshold that keeps a given quality depends on the list: `--exit-threshold T` stores the one measured for it as
+  the file's default (`tinyloop.exit_threshold`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -26,6 +29,7 @@ from .format import GGUFContents, V, read_gguf, write_gguf
 
 KEY = "tinyloop.draft.token_ids"
 EXIT_KEY = "tinyloop.exit.token_ids"
+THRESHOLD_KEY = "tinyloop.exit_threshold"
 PASSAGE_SEPARATOR = "\n<|endoftext|>\n"
 
 
@@ -57,10 +61,17 @@ def coverage(counts: Counter[int], ids: Iterable[int]) -> float:
 
 
 def write_vocabularies(
-    src: str | PathLike[str], dst: str | PathLike[str], ids: list[int], exit_ids: list[int] | None = None
+    src: str | PathLike[str],
+    dst: str | PathLike[str],
+    ids: list[int],
+    exit_ids: list[int] | None = None,
+    exit_threshold: float | None = None,
 ) -> None:
     """Copy a model file, its tensors bit for bit, with the draft vocabulary set to `ids` and the exit vocabulary to
-    `exit_ids` (None: the file's exit vocabulary, if any, is dropped)."""
+    `exit_ids` (None: the file's exit vocabulary, if any, is dropped); `exit_threshold` sets the file's default
+    threshold for `loops: "auto"` (None: the file's stays as it is)."""
+    if exit_threshold is not None and not 0 <= exit_threshold < math.inf:
+        raise ValueError(f"exit threshold must be finite and >= 0, got {exit_threshold}")
     contents = read_gguf(src, raw=True)
     vocab_size = len(contents.metadata["tokenizer.ggml.tokens"][0])
     bad = [t for t in [*ids, *(exit_ids or [])] if not 0 <= t < vocab_size]
@@ -71,16 +82,19 @@ def write_vocabularies(
     metadata.pop(EXIT_KEY, None)
     if exit_ids is not None:
         metadata[EXIT_KEY] = (sorted(set(exit_ids)), V.ARRAY, V.UINT32)
+    if exit_threshold is not None:
+        metadata[THRESHOLD_KEY] = (float(exit_threshold), V.FLOAT32)
     tmp = Path(f"{dst}.tmp")  # then renamed: `dst` may be `src`, still mapped by the reader
     write_gguf(tmp, GGUFContents(metadata, contents.tensors))
     os.replace(tmp, dst)
 
 
 def build(
-    src: Path, dst: Path, corpus: Path, size: int = 4096, exit_size: int = 256
+    src: Path, dst: Path, corpus: Path, size: int = 4096, exit_size: int = 256, exit_threshold: float | None = None
 ) -> tuple[list[int], list[int], float]:
-    """Count `corpus` with the model's own tokenizer, write `dst`; returns the draft ids, the exit ids (empty when
-    `exit_size` is 0) and the draft ids' corpus coverage."""
+    """Count `corpus` with the model's own tokenizer, write `dst` (with `exit_threshold`, if given, as its default
+    threshold); returns the draft ids, the exit ids (empty when `exit_size` is 0) and the draft ids' corpus
+    coverage."""
     from .. import Engine
 
     if exit_size < 0:
@@ -89,5 +103,5 @@ def build(
     counts = count_tokens(engine.encode, corpus.read_text(encoding="utf-8"))
     ids = top_tokens(counts, size, always=[engine.eos_token_id])
     exit_ids = top_tokens(counts, exit_size) if exit_size else []
-    write_vocabularies(src, dst, ids, exit_ids or None)
+    write_vocabularies(src, dst, ids, exit_ids or None, exit_threshold)
     return ids, exit_ids, coverage(counts, ids)
