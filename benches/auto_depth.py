@@ -7,7 +7,9 @@ way, in one run.
 Perplexity: windows of `--window` held-out tokens, each read as a generation reads its output — the first token
 through every loop, each later one through the loops its rule runs (fixed depths: every token through that many,
 `Engine.score`, which a one-token-at-a-time decode reproduces). Speed: greedy decoding of `--new` tokens after each
-of four prompts, best of `--rounds` interleaved rounds (this machine's speed drifts by 10-30% within a minute).
+of four prompts in `--rounds` interleaved rounds; each setting's best round, and the median over rounds of its
+speed over fixed 8's in the same round (a shared machine's speed drifts by 10-30% within a minute; a ratio taken
+within one round is what drifts least).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +33,7 @@ from tinyloop import AutoDepth, SamplingParams
 from tinyloop.modelfile.evaluate import held_out_ids
 
 FIXED = [2, 3, 4, 5, 6, 8]
-THRESHOLDS = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003]
+THRESHOLDS = [0.1, 0.03, 0.01, 0.005, 0.003, 0.002, 0.001, 0.0003]
 DRAFT = (2, 4)  # (draft_loops, draft_ahead) of the speculative rows
 DRAFTED_THRESHOLD = 0.003
 PROMPTS = ["The king said unto his servants", "User: What is the sea?\nAssistant:", "In the beginning", "Q: Why"]
@@ -60,19 +63,24 @@ def auto_ppl(engine, wins: list[list[int]], rule: AutoDepth) -> tuple[float, flo
     return math.exp(nll / count), loops / decided
 
 
-def speed(engine, settings: list[dict], new: int, rounds: int) -> list[float]:
-    """Tokens per second for each setting (`generate`'s keywords: loops, draft), best of `rounds` interleaved
+def speed(engine, settings: list[dict], new: int, rounds: int) -> list[list[float]]:
+    """Tokens per second of each setting (`generate`'s keywords: loops, draft) in each of `rounds` interleaved
     rounds."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     prompts = [engine.encode(p) for p in PROMPTS]
-    best = [0.0] * len(settings)
+    tps: list[list[float]] = [[] for _ in settings]
     for _ in tqdm(range(rounds), desc="speed rounds", leave=False):
         for i, kw in enumerate(settings):
             start = time.perf_counter()
             for p in prompts:
                 engine.generate(p, params, **kw)
-            best[i] = max(best[i], len(prompts) * new / (time.perf_counter() - start))
-    return best
+            tps[i].append(len(prompts) * new / (time.perf_counter() - start))
+    return tps
+
+
+def median_ratio(rounds: list[float], base: list[float]) -> float:
+    """The median over rounds of a setting's speed over the base setting's in the same round."""
+    return statistics.median(a / b for a, b in zip(rounds, base, strict=True))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -82,32 +90,75 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    fx = [r["tokens_per_second"] for r in result["fixed"]]
-    ax.plot(fx, [r["perplexity"] for r in result["fixed"]], "o-", label="fixed loops")
-    for r in result["fixed"]:
-        ax.annotate(
-            str(r["loops"]), (r["tokens_per_second"], r["perplexity"]), textcoords="offset points", xytext=(4, 4)
-        )
-    ax.plot(
-        [r["tokens_per_second"] for r in result["auto"]],
-        [r["perplexity"] for r in result["auto"]],
-        "s-",
-        label='loops "auto"',
-    )
-    for r in result["auto"]:
-        ax.annotate(
-            f"{r['threshold']:g}",
-            (r["tokens_per_second"], r["perplexity"]),
-            textcoords="offset points",
-            xytext=(4, -10),
-            fontsize=7,
-        )
-    ax.set_xlabel("greedy decode, tokens/s")
+    for rows, style, label, name in (
+        (result["fixed"], "o-", "fixed loops", lambda r: str(r["loops"])),
+        (result["auto"], "s-", 'loops "auto" (threshold)', lambda r: f"{r['threshold']:g}"),
+    ):
+        ax.plot([r["x_fixed_8"] for r in rows], [r["perplexity"] for r in rows], style, label=label)
+        for r in rows:
+            xy = (r["x_fixed_8"], r["perplexity"])
+            ax.annotate(name(r), xy, textcoords="offset points", xytext=(4, 4), fontsize=7)
+    base = next(r for r in result["fixed"] if r["loops"] == 8)["perplexity"]
+    ax.axhline(base * 1.01, color="grey", lw=0.8, ls="--", label="loops 8 perplexity + 1%")
+    ax.axvline(1.5, color="grey", lw=0.8, ls=":", label="1.5× loops 8's speed")
+    ax.set_xlabel("greedy decode speed / loops 8's (median of interleaved rounds)")
     ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"Adaptive depth vs fixed depth ({result['machine']})", fontsize=9)
-    ax.legend()
+    ax.set_title(f"Adaptive vs fixed depth, {result['model']} ({result['machine']})", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def tabulate(fixed: dict[int, float], autos: list[tuple[float, float]], tps: list[list[float]]) -> dict:
+    """The result's rows: perplexities, mean loops, each setting's best round (`tokens_per_second`) and its median
+    per-round ratio to fixed 8 (`x_fixed_8`), in `main`'s order of settings."""
+    base = tps[FIXED.index(8)]
+
+    def speed_of(i: int) -> dict:
+        return {"tokens_per_second": max(tps[i]), "x_fixed_8": median_ratio(tps[i], base)}
+
+    n = len(FIXED) + len(THRESHOLDS)
+    drafted_ppl, drafted_loops = autos[-1]
+    return {
+        "fixed": [{"loops": d, "perplexity": fixed[d], **speed_of(i)} for i, d in enumerate(FIXED)],
+        "auto": [
+            {"threshold": th, "mean_loops": m, "perplexity": p, **speed_of(len(FIXED) + i)}
+            for i, (th, (p, m)) in enumerate(zip(THRESHOLDS, autos, strict=False))
+        ],
+        "speculative": {
+            "draft": list(DRAFT),
+            "fixed_8": {"perplexity": fixed[8], **speed_of(n)},
+            "auto_min_loops_3": {
+                "threshold": DRAFTED_THRESHOLD,
+                "perplexity": drafted_ppl,
+                "mean_loops": drafted_loops,
+                "plain": speed_of(n + 1),
+                "drafted": speed_of(n + 2),
+            },
+        },
+    }
+
+
+def report(result: dict) -> None:
+    base = next(r for r in result["fixed"] if r["loops"] == 8)
+    print(f"{result['machine']}; {result['tokens']} held-out tokens; fixed 8: ppl {base['perplexity']:.2f}")
+    print(f"{'depth':>16} {'mean loops':>10} {'ppl':>8} {'vs 8':>7} {'best tok/s':>10} {'x 8 (median)':>12}")
+    rows = [(f"fixed {r['loops']}", r["loops"], r) for r in result["fixed"]]
+    rows += [(f"auto {r['threshold']:g}", r["mean_loops"], r) for r in result["auto"]]
+    for name, loops, r in rows:
+        rel = r["perplexity"] / base["perplexity"] - 1
+        print(
+            f"{name:>16} {loops:10.2f} {r['perplexity']:8.2f} {rel:+7.2%} {r['tokens_per_second']:10.1f} "
+            f"{r['x_fixed_8']:12.2f}"
+        )
+    spec = result["speculative"]
+    f8, auto = spec["fixed_8"], spec["auto_min_loops_3"]
+    print(f"drafts {DRAFT}: fixed 8 {f8['tokens_per_second']:.1f} tok/s ({f8['x_fixed_8']:.2f} x 8)")
+    print(
+        f"auto {DRAFTED_THRESHOLD:g}, min_loops 3: {auto['mean_loops']:.2f} loops, ppl {auto['perplexity']:.2f} "
+        f"({auto['perplexity'] / base['perplexity'] - 1:+.2%}); plain {auto['plain']['x_fixed_8']:.2f} x 8, "
+        f"drafted {auto['drafted']['x_fixed_8']:.2f} x 8"
+    )
 
 
 def main() -> int:
@@ -130,51 +181,15 @@ def main() -> int:
     settings = [{"loops": d} for d in FIXED] + [{"loops": r} for r in rules]
     settings += [{"loops": 8, "draft": DRAFT}, {"loops": drafted}, {"loops": drafted, "draft": DRAFT}]
     tps = speed(engine, settings, args.new, args.rounds)
-    n = len(FIXED) + len(rules)
     result = {
         "machine": f"{cpu_name()}, {len(__import__('os').sched_getaffinity(0))} threads",
         "model": args.model.name,
         "tokens": sum(len(w) - 1 for w in wins),
         "window": args.window,
-        "fixed": [
-            {"loops": d, "perplexity": fixed[d], "tokens_per_second": t} for d, t in zip(FIXED, tps, strict=False)
-        ],
-        "auto": [
-            {"threshold": th, "mean_loops": m, "perplexity": p, "tokens_per_second": t}
-            for th, (p, m), t in zip(THRESHOLDS, autos[: len(rules)], tps[len(FIXED) : n], strict=True)
-        ],
-        "speculative": {
-            "draft": list(DRAFT),
-            "fixed_8": {"perplexity": fixed[8], "tokens_per_second": tps[n]},
-            "auto_min_loops_3": {
-                "threshold": DRAFTED_THRESHOLD,
-                "perplexity": autos[-1][0],
-                "mean_loops": autos[-1][1],
-                "tokens_per_second_plain": tps[n + 1],
-                "tokens_per_second_drafted": tps[n + 2],
-            },
-        },
+        "rounds": args.rounds,
+        **tabulate(fixed, autos, tps),
     }
-    base = next(r for r in result["fixed"] if r["loops"] == 8)
-    print(f"{result['machine']}; {result['tokens']} held-out tokens; fixed 8: ppl {base['perplexity']:.2f}")
-    print(f"{'depth':>16} {'mean loops':>10} {'ppl':>8} {'vs 8':>7} {'tok/s':>7} {'x 8':>6}")
-    rows = [(f"fixed {r['loops']}", r["loops"], r) for r in result["fixed"]]
-    rows += [(f"auto {r['threshold']:g}", r["mean_loops"], r) for r in result["auto"]]
-    for name, loops, r in rows:
-        ppl, tps = r["perplexity"], r["tokens_per_second"]
-        rel = ppl / base["perplexity"] - 1, tps / base["tokens_per_second"]
-        print(f"{name:>16} {loops:10.2f} {ppl:8.2f} {rel[0]:+7.2%} {tps:7.1f} {rel[1]:6.2f}")
-    spec = result["speculative"]
-    f8, auto = spec["fixed_8"], spec["auto_min_loops_3"]
-    f8_ratio = f8["tokens_per_second"] / base["tokens_per_second"]
-    print(f"drafts {DRAFT}: fixed 8 {f8['tokens_per_second']:.1f} tok/s ({f8_ratio:.2f} x 8)")
-    print(
-        f"auto {DRAFTED_THRESHOLD:g}, min_loops 3: {auto['mean_loops']:.2f} loops, ppl {auto['perplexity']:.2f} "
-        f"({auto['perplexity'] / base['perplexity'] - 1:+.2%}); plain {auto['tokens_per_second_plain']:.1f}, "
-        f"drafted {auto['tokens_per_second_drafted']:.1f} tok/s "
-        f"({auto['tokens_per_second_drafted'] / base['tokens_per_second']:.2f} x 8, "
-        f"{auto['tokens_per_second_drafted'] / f8['tokens_per_second']:.2f} x drafted 8)"
-    )
+    report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:

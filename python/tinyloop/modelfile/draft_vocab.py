@@ -10,10 +10,10 @@ tensors and every other key as they were:
   verification reads the full head, output does not change.
 - `tinyloop.exit.token_ids`, the `exit_size` most frequent: the tokens `loops: "auto"`'s settling rule compares
   successive loops over. The rule only asks whether the distribution still moves, and the most frequent tokens
-  carry much of its mass (the default model's 256: 63% of its training tokens), so a check costs a two-hundredth of the full head. `exit_size=0` writes no such list (the
-  rule then compares over the draft vocabulary). A divergence over 256 tokens is not one over 4,096, so the
-  threshold that keeps a given quality depends on the list: `--exit-threshold T` stores the one measured for it as
-  the file's default (`tinyloop.exit_threshold`).
+  carry much of its mass (the default model's 256: 63% of its training tokens), so a check costs a two-hundredth
+  of the full head. `exit_size=0` writes no such list (the rule then compares over the draft vocabulary). A
+  divergence over 256 tokens is not one over 4,096, so the threshold that keeps a given quality depends on the
+  list: `--exit-threshold T` stores the one measured for it as the file's default (`tinyloop.exit_threshold`).
 """
 
 from __future__ import annotations
