@@ -3,6 +3,7 @@ held-out perplexity scored under the same exit rule (`Engine.score_auto`) — ne
 way, in one run.
 
     python benches/auto_depth.py --json docs/auto_depth.json --plot docs/auto_depth.png   # docs/model.md's curve
+    python benches/auto_depth.py --tokens 0 --rounds 0 --thresholds 0.0025   # perplexity only, whole split
 
 Perplexity: windows of `--window` held-out tokens, each read as a generation reads its output — the first token
 through every loop, each later one through the loops its rule runs (fixed depths: every token through that many,
@@ -33,9 +34,9 @@ from tinyloop import AutoDepth, SamplingParams
 from tinyloop.modelfile.evaluate import held_out_ids
 
 FIXED = [2, 3, 4, 5, 6, 8]
-THRESHOLDS = [0.1, 0.03, 0.01, 0.005, 0.003, 0.002, 0.001, 0.0003]
+THRESHOLDS = [0.1, 0.03, 0.01, 0.005, 0.003, 0.0025, 0.002, 0.001, 0.0003]
 DRAFT = (2, 4)  # (draft_loops, draft_ahead) of the speculative rows
-DRAFTED_THRESHOLD = 0.003
+DRAFTED_THRESHOLD = 0.0025
 PROMPTS = ["The king said unto his servants", "User: What is the sea?\nAssistant:", "In the beginning", "Q: Why"]
 
 
@@ -161,19 +162,42 @@ def report(result: dict) -> None:
     )
 
 
+def report_quality(
+    fixed: dict[int, float], thresholds: list[float], autos: list[tuple[float, float]], tokens: int
+) -> None:
+    """Perplexity and mean loops alone (`--rounds 0`)."""
+    base = fixed[8]
+    print(f"{tokens} held-out tokens")
+    for d, p in fixed.items():
+        print(f"fixed {d}: ppl {p:.3f} ({p / base - 1:+.2%})")
+    for th, (p, m) in zip(thresholds, autos, strict=True):
+        print(f"auto {th:g}: {m:.3f} loops, ppl {p:.3f} ({p / base - 1:+.2%})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT)
     ap.add_argument("--heldout", type=Path, default=HELDOUT)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score (0: the whole file)")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="speed rounds (0: perplexity and mean loops only)")
+    ap.add_argument("--thresholds", default=None, help="comma-separated exit thresholds (with --rounds 0)")
+    ap.add_argument("--min-loops", type=int, default=2, help="the exit rules' min_loops (with --rounds 0)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    if args.rounds > 0 and (args.thresholds or args.min_loops != 2):
+        ap.error("--thresholds and --min-loops choose the rules of a perplexity-only run (--rounds 0)")
     engine = tinyloop.Engine(str(args.model))
-    wins = windows(held_out_ids(engine, args.heldout.read_text(encoding="utf-8"), args.tokens), args.window)
+    text = args.heldout.read_text(encoding="utf-8")
+    wins = windows(held_out_ids(engine, text, args.tokens or len(text)), args.window)
+    if args.rounds == 0:
+        chosen = [float(t) for t in args.thresholds.split(",")] if args.thresholds else THRESHOLDS
+        rules = [AutoDepth(min_loops=args.min_loops, max_loops=8, threshold=t) for t in chosen]
+        autos = [auto_ppl(engine, wins, r) for r in rules]
+        report_quality(fixed_ppl(engine, wins), chosen, autos, sum(len(w) - 1 for w in wins))
+        return 0
     rules = [AutoDepth(max_loops=8, threshold=t) for t in THRESHOLDS]
     drafted = AutoDepth(min_loops=3, max_loops=8, threshold=DRAFTED_THRESHOLD)  # drafts need draft_loops < 3
     fixed = fixed_ppl(engine, wins)

@@ -1,7 +1,8 @@
 """Which exit rule could make adaptive depth pay on the default model: each held-out token's exit loop chosen by a
 rule from what the model computes at each loop, and the perplexity of the tokens read at those exits — for the
-settling rule `loops: "auto"` runs (successive loops' KL divergence over the draft vocabulary), an exit gate of
-Ouro's form trained for this model, confidence (top probability), fixed depths, and an oracle that sees the target.
+settling rule `loops: "auto"` runs (successive loops' KL divergence over the file's exit vocabulary, else its draft
+vocabulary, as the engine compares), an exit gate of Ouro's form trained for this model, confidence (top
+probability), fixed depths, and an oracle that sees the target.
 
     python benches/exit_rules.py --json docs/exit_rules.json      # the table in docs/model.md
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import tinyloop
 from model import LoopedLM, TrainConfig
 from quant_models import DEFAULT, HELDOUT, ROOT
+from tinyloop.modelfile.draft_vocab import EXIT_KEY
 from tinyloop.modelfile.draft_vocab import KEY as DRAFT_KEY
 from tinyloop.modelfile.evaluate import held_out_ids
 from train import load_tinyloop
@@ -44,7 +46,8 @@ ORACLE = [0.02, 0.1]
 
 
 def load(path: Path) -> tuple[LoopedLM, tinyloop.Engine, torch.Tensor | None]:
-    """The file's weights in the PyTorch model, the engine (for its tokenizer), and the draft vocabulary's ids."""
+    """The file's weights in the PyTorch model, the engine (for its tokenizer), and the ids the settling rule compares
+    over: the exit vocabulary, else the draft vocabulary, else none (the full head)."""
     import gguf
 
     engine = tinyloop.Engine(str(path))
@@ -59,13 +62,14 @@ def load(path: Path) -> tuple[LoopedLM, tinyloop.Engine, torch.Tensor | None]:
     )
     model = LoopedLM(cfg)
     load_tinyloop(model, path)
-    field = gguf.GGUFReader(path).get_field(DRAFT_KEY)
-    draft = torch.tensor([int(field.parts[j][0]) for j in field.data]) if field else None
-    return model.eval(), engine, draft
+    reader = gguf.GGUFReader(path)
+    field = next((f for f in map(reader.get_field, (EXIT_KEY, DRAFT_KEY)) if f is not None), None)
+    settle_ids = torch.tensor([int(field.parts[j][0]) for j in field.data]) if field else None
+    return model.eval(), engine, settle_ids
 
 
 @torch.no_grad()
-def per_loop(model: LoopedLM, ids: list[int], window: int, loops: int, draft: torch.Tensor | None) -> dict:
+def per_loop(model: LoopedLM, ids: list[int], window: int, loops: int, settle_ids: torch.Tensor | None) -> dict:
     """For every predicted token and loop 1..`loops`: the normed state, the target's NLL, the KL divergence of the
     exit distribution from the previous loop's (inf at loop 1), the top probability."""
     out: dict[str, list] = {"h": [], "nll": [], "kl": [], "top": []}
@@ -78,7 +82,7 @@ def per_loop(model: LoopedLM, ids: list[int], window: int, loops: int, draft: to
         for d in range(1, loops + 1):
             h = model.out_norm(hs[d])[0]
             logp = F.log_softmax(h @ model.embed.weight.T, -1)
-            small = F.log_softmax(h @ model.embed.weight[draft].T, -1) if draft is not None else logp
+            small = F.log_softmax(h @ model.embed.weight[settle_ids].T, -1) if settle_ids is not None else logp
             kl = (small.exp() * (small - prev)).sum(-1) if prev is not None else torch.full((window,), math.inf)
             prev = small
             values = (h, -logp.gather(1, y[:, None])[:, 0], kl, logp.max(-1).values.exp())
@@ -138,11 +142,11 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_flush_denormal(True)
-    model, engine, draft = load(args.model)
-    calib = per_loop(model, engine.encode(CALIB.read_text(encoding="utf-8")), args.window, args.loops, draft)
+    model, engine, settle_ids = load(args.model)
+    calib = per_loop(model, engine.encode(CALIB.read_text(encoding="utf-8")), args.window, args.loops, settle_ids)
     gate = fit_gate(calib["h"], calib["nll"], args.gate_delta)
     ids = held_out_ids(engine, args.heldout.read_text(encoding="utf-8"), args.tokens)
-    held = per_loop(model, ids, args.window, args.loops, draft)
+    held = per_loop(model, ids, args.window, args.loops, settle_ids)
     result = rules(held, gate, args.min_loops)
     base = next(r["perplexity"] for r in result if r["rule"] == "fixed" and r["setting"] == args.loops)
     print(f"{len(held['nll'])} held-out tokens; gate fitted on {len(calib['nll'])} calibration tokens")
