@@ -107,20 +107,59 @@ def test_distill_loss_is_the_kl_from_the_teacher_per_loop_distribution(trained):
     """`train.distill_loss` is KL(teacher ‖ model) per position: zero where the model reads its input as the teacher
     does (same weights, per-loop cache), positive where it reads it through the shared cache, and equal to a direct
     computation of Σ p_t (log p_t − log p_m) averaged over positions."""
-    from train import distill_loss
+    from train import distill_loss, teacher_logprobs
 
     model, _ = trained
     ids = torch.tensor([list(range(300, 324))])
     with torch.no_grad():
         plain = model.hidden_states(ids, LOOPS, {LOOPS})[LOOPS]
         shared = model.hidden_states(ids, LOOPS, {LOOPS}, kv_share=len(ids[0]))[LOOPS]
-        assert distill_loss(model, model, ids, plain, LOOPS).item() == pytest.approx(0.0, abs=1e-5)
-        got = distill_loss(model, model, ids, shared, LOOPS).item()
+        target = teacher_logprobs(model, ids, LOOPS)
+        assert distill_loss(model, target, plain).item() == pytest.approx(0.0, abs=1e-5)
+        got = distill_loss(model, target, shared).item()
         p_t = model.logits(plain)[0].double().log_softmax(-1)
         p_m = model.logits(shared)[0].double().log_softmax(-1)
     expected = (p_t.exp() * (p_t - p_m)).sum(-1).mean().item()
     assert expected > 0.01
     assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_shallow_exit_adds_the_kl_from_the_teachers_last_loop_on_the_same_positions(trained):
+    """`train.exit_loss` with a target scores the kept positions' cross-entropy plus weight × KL(target ‖ exit), the
+    KL on the very positions the cross-entropy keeps: computed directly from the full logits with the same draw."""
+    from train import exit_loss, head_loss, teacher_logprobs
+
+    model, _ = trained
+    ids = torch.tensor([list(range(400, 432)), list(range(500, 532))])
+    y = ids.roll(-1, dims=1)
+    with torch.no_grad():
+        h1 = model.hidden_states(ids, LOOPS, {1})[1]
+        target = teacher_logprobs(model, ids, LOOPS)
+        got = exit_loss(model, h1, y, 0.25, torch.Generator().manual_seed(7), head_loss, target, 0.5).item()
+        plain = exit_loss(model, h1, y, 0.25, torch.Generator().manual_seed(7)).item()
+        keep = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:16]
+        logp = model.logits(h1).reshape(64, -1).double().log_softmax(-1)[keep]
+        t = target.reshape(64, -1).double()[keep]
+    ce = -logp[torch.arange(16), y.reshape(-1)[keep]].mean().item()
+    kl = (t.exp() * (t - logp)).sum(-1).mean().item()
+    assert kl > 0.01
+    assert plain == pytest.approx(ce, rel=1e-4)
+    assert got == pytest.approx(ce + 0.5 * kl, rel=1e-4)
+
+
+def test_exit_weights_name_loops_half_and_last():
+    """`--exit-weights` keys are loop numbers, `half` and `last`: a step L deep scores the named loops below L, L // 2
+    and L, adding the weights of keys that name the same loop; malformed lists are refused with the flag named."""
+    from train import exit_depths, parse_exit_weights
+
+    weights = parse_exit_weights("1:0.1,2:0.2,4:0.5,half:0.3,last:1.0")
+    assert exit_depths(weights, 10) == {1: 0.1, 2: 0.2, 4: 0.5, 5: 0.3, 10: 1.0}
+    assert exit_depths(weights, 8) == {1: 0.1, 2: 0.2, 4: pytest.approx(0.8), 8: 1.0}
+    assert exit_depths(weights, 4) == {1: 0.1, 2: pytest.approx(0.5), 4: 1.0}
+    assert exit_depths(weights, 1) == {1: 1.0}
+    for bad in ("1:0.1,2:0.2", "0:1,last:1", "x:1,last:1", "last:-1", "last"):
+        with pytest.raises(SystemExit, match="--exit-weights"):
+            parse_exit_weights(bad)
 
 
 def test_tokenize_caches_the_split_and_reads_the_cache_alone(tmp_path):
@@ -162,3 +201,37 @@ def test_keep_checkpoints_saves_each_periodic_evaluation(tmp_path):
         assert ckpt["tokens"] == periodic[step] == step * 2 * 32
         same = all(torch.equal(ckpt["state"][k], final["state"][k]) for k in final["state"])
         assert same == (step == log["final"]["steps"]), step  # only a checkpoint of the last step equals the end
+
+
+def test_exit_distill_adds_the_teachers_kl_at_the_shallow_exits(tmp_path):
+    """`train.py --exit-distill W` (with `--distill-from`) adds W × KL to each shallow exit's loss: two runs from the
+    same file on the same seed draw the same first step, and only the distilled one's loss@1 carries the (positive)
+    KL term while the last exit's cross-entropy is the same. Without a teacher the flag is refused by name."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4096), ("heldout", 512)):
+        rng.integers(0, 50257, n, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    cfg = TrainConfig(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, block_count=1, vocab_size=50257, context=32)
+    torch.manual_seed(1)
+    model = LoopedLM(cfg)
+    with torch.no_grad():  # weights of real size, so that loop 1 and loop 3 disagree
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim == 2 else 1 + 0.1 * torch.randn_like(p))
+    teacher = tmp_path / "t.tinyloop"
+    write_model(teacher, file_config(cfg, 3, 3), model.export_weights(), weight_type="F32")
+    base = [sys.executable, str(Path(__file__).resolve().parents[1] / "training" / "train.py"), "--data",
+            str(tmp_path), "--minutes", "0.01", "--dim", "32", "--heads", "2", "--ffn", "64", "--k", "1",
+            "--context", "32", "--batch", "2", "--loops-min", "3", "--loops-max", "3", "--eval-every", "100",
+            "--exit-weights", "1:0.5,last:1", "--init-from", str(teacher), "--no-compile"]  # fmt: skip
+    refused = subprocess.run([*base, "--out", str(tmp_path / "x"), "--exit-distill", "1"], capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert refused.returncode != 0 and "--exit-distill needs --distill-from" in refused.stderr
+    first = {}
+    for name, extra in (("plain", []), ("distilled", ["--exit-distill", "2"])):
+        out = tmp_path / name
+        cmd = [*base, "--out", str(out), "--distill-from", str(teacher), *extra]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        first[name] = json.loads((out / "log.json").read_text())["steps"][0]
+    plain, distilled = first["plain"], first["distilled"]
+    assert distilled["loss@3"] == pytest.approx(plain["loss@3"], rel=1e-5)
+    assert distilled["distill"] == pytest.approx(plain["distill"], abs=1e-4)
+    assert distilled["loss@1"] > plain["loss@1"] + 1e-3

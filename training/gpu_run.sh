@@ -11,7 +11,9 @@
 #   pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # There (the two .bin files and .whl travel; nothing else under data/ needs to):
 #   OUT=/path/to/results MINUTES=6 training/gpu_run.sh
-# (DATA=folder trains on another folder's train.bin / heldout.bin, e.g. the chat data and the plain corpus joined.)
+# (DATA=folder trains on another folder's train.bin / heldout.bin, e.g. the chat data and the plain corpus joined;
+# EXITS and EXIT_DISTILL set --exit-weights and --exit-distill, e.g. EXITS=1:0.1,2:0.2,3:0.2,4:0.4,5:0.4,6:0.2,last:1.0
+# EXIT_DISTILL=1 to train the early loops toward the last one's answer for adaptive depth.)
 # The final weights come back as weights.pt.*, and those of the periodic evaluation nearest the middle of the run as
 # mid.pt.* (a fallback, should the held-out figures in train_log.txt turn before the end).
 # After, here:
@@ -29,6 +31,8 @@ SHARE=${SHARE:-0.6}
 DATA=${DATA:-data/chat}
 EVERY=${EVERY:-1.5}
 PASSES=${PASSES:-2}
+EXITS=${EXITS:-1:0.1,2:0.2,half:0.15,last:1.0}
+EXIT_DISTILL=${EXIT_DISTILL:-0}
 RUN=${RUN:-/tmp/gpu-run}
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -40,7 +44,7 @@ mkdir -p "$OUT" "$RUN"
 SHIPPED=python/tinyloop/models/default.tinyloop
 python3 training/train.py --data "$DATA" --out "$RUN" --init-from "$SHIPPED" --distill-from "$SHIPPED" \
     --minutes "$MINUTES" --batch "$BATCH" --lr "$LR" --loops-min 6 --loops-max 12 \
-    --exit-weights 1:0.1,2:0.2,half:0.15,last:1.0 --kv-share-frac "$SHARE" --kv-share-passes "$PASSES" \
+    --exit-weights "$EXITS" --exit-distill "$EXIT_DISTILL" --kv-share-frac "$SHARE" --kv-share-passes "$PASSES" \
     --eval-every "$EVERY" --keep-checkpoints 2>&1 | tee "$OUT/train_log.txt"
 cp "$RUN/log.json" "$OUT/log.json"
 MID=$(ls "$RUN"/model.step*.pt 2>/dev/null | sort -V | awk '{a[NR] = $0} END {if (NR) print a[int((NR + 1) / 2)]}')

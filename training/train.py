@@ -7,8 +7,11 @@
 The loop knob is trained on purpose (LayerSkip / Ouro style): each step samples the loop count L and takes the loss
 at several exits through the shared norm and head: loops 1 and 2 (the drafts), L/2 and L. The final exit carries
 most of the weight so that depth keeps paying; the shallow exits are scored on a random eighth of the positions,
-which keeps the 50,257-wide head from dominating the step. The learning rate follows warmup + cosine over the
-*time* budget, so a run always ends annealed.
+which keeps the 50,257-wide head from dominating the step (`--exit-weights` names other exits and weights). With
+`--distill-from`, the last exit is also pulled toward a frozen teacher's distribution, and `--exit-distill` pulls the
+shallow exits toward it too, so that the early loops give the last one's answer where they can — what lets adaptive
+depth (`loops="auto"`) stop sooner. The learning rate follows warmup + cosine over the *time* budget, so a run
+always ends annealed.
 """
 
 from __future__ import annotations
@@ -61,28 +64,75 @@ def batches(data: np.ndarray, batch: int, ctx: int, rng: np.random.Generator):
         yield torch.from_numpy(x), torch.from_numpy(y)
 
 
-def head_loss(model: LoopedLM, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model.logits(h).float(), y)
+def head_loss(
+    model: LoopedLM, h: torch.Tensor, y: torch.Tensor, target: torch.Tensor | None = None, weight: float = 0.0
+) -> torch.Tensor:
+    """Cross-entropy of the head at states `h` against `y`; with `target` (log-probabilities per position), plus
+    `weight` times KL(target ‖ head), from the same logits."""
+    logits = model.logits(h).float()
+    loss = F.cross_entropy(logits, y)
+    if target is not None:
+        loss = loss + weight * F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean")
+    return loss
 
 
 def exit_loss(
-    model: LoopedLM, h: torch.Tensor, y: torch.Tensor, frac: float, gen: torch.Generator, loss_fn=head_loss
+    model: LoopedLM,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    frac: float,
+    gen: torch.Generator,
+    loss_fn=head_loss,
+    target: torch.Tensor | None = None,
+    weight: float = 0.0,
 ) -> torch.Tensor:
+    """`loss_fn` at one exit, on a random `frac` of its positions (the same positions of `target`, when given)."""
     h, y = h.reshape(-1, h.shape[-1]), y.reshape(-1)
+    target = None if target is None else target.reshape(-1, target.shape[-1])
     if frac < 1.0:
         keep = torch.randperm(h.shape[0], generator=gen)[: int(h.shape[0] * frac)]
         h, y = h[keep], y[keep]
-    return loss_fn(model, h, y)
+        target = None if target is None else target[keep]
+    return loss_fn(model, h, y) if target is None else loss_fn(model, h, y, target, weight)
 
 
-def distill_loss(model: LoopedLM, teacher: LoopedLM, x: torch.Tensor, h: torch.Tensor, loops: int) -> torch.Tensor:
-    """KL(teacher ‖ model) of the next-token distributions at `loops`, per position: the teacher (a frozen copy of
-    the starting weights) reads `x` with its per-loop cache, the model's states `h` are however this step read it —
-    so shared-cache steps learn to give what the per-loop model gives, and the others keep giving it."""
-    with torch.no_grad():
-        target = teacher.logits(teacher.hidden_states(x, loops, {loops})[loops]).float().log_softmax(-1)
+@torch.no_grad()
+def teacher_logprobs(teacher: LoopedLM, x: torch.Tensor, loops: int) -> torch.Tensor:
+    """The teacher's (a frozen copy of the starting weights) next-token log-probabilities at `loops`, reading `x`
+    with its per-loop cache."""
+    return teacher.logits(teacher.hidden_states(x, loops, {loops})[loops]).float().log_softmax(-1)
+
+
+def distill_loss(model: LoopedLM, target: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ model) of the next-token distributions, per position: `target` from `teacher_logprobs`, the
+    model's states `h` however this step read them — so shared-cache steps learn to give what the per-loop model
+    gives, and the others keep giving it."""
     logp = model.logits(h).float().log_softmax(-1)
     return F.kl_div(logp.flatten(0, -2), target.flatten(0, -2), log_target=True, reduction="batchmean")
+
+
+def exit_depths(weights: dict[str, float], loops: int) -> dict[int, float]:
+    """The exits of a step `loops` deep and their weights, from `--exit-weights`: its keys are loop numbers, `half`
+    (loops // 2) and `last` (loops itself); a loop number at or past `loops` has no exit in that step, and keys that
+    name the same loop add their weights."""
+    exits: dict[int, float] = {}
+    for key, w in weights.items():
+        d = loops if key == "last" else max(1, loops // 2) if key == "half" else int(key)
+        if d < loops or key == "last":
+            exits[d] = exits.get(d, 0.0) + w
+    return exits
+
+
+def parse_exit_weights(text: str) -> dict[str, float]:
+    """`--exit-weights` as {key: weight}: keys `last` (required), `half` or loop numbers ≥ 1, weights ≥ 0."""
+    try:
+        weights = {k.strip(): float(v) for k, v in (kv.split(":") for kv in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--exit-weights {text!r}: expected KEY:WEIGHT pairs separated by commas") from None
+    bad = [k for k in weights if k not in ("half", "last") and not (k.isdigit() and int(k) >= 1)]
+    if bad or "last" not in weights or any(w < 0 for w in weights.values()):
+        raise SystemExit(f"--exit-weights {text!r}: keys are loop numbers, half or last (required), weights ≥ 0")
+    return weights
 
 
 def compile_hot_paths(model: LoopedLM):
@@ -170,7 +220,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--loops-min", type=int, default=4)
     ap.add_argument("--loops-max", type=int, default=10)
-    ap.add_argument("--exit-weights", type=str, default="1:0.1,2:0.2,half:0.2,last:1.0")
+    ap.add_argument(
+        "--exit-weights",
+        type=str,
+        default="1:0.1,2:0.2,half:0.2,last:1.0",
+        help="KEY:WEIGHT pairs: the exits each step scores (loop numbers, half = L // 2, last = L) and their weights",
+    )
     ap.add_argument("--shallow-frac", type=float, default=0.125)
     ap.add_argument(
         "--kv-share-frac",
@@ -198,6 +253,13 @@ def parse_args() -> argparse.Namespace:
         help="a .tinyloop file whose per-loop next-token distributions the final exit is also pulled toward",
     )
     ap.add_argument("--distill-weight", type=float, default=1.0, help="weight of that KL term in the loss")
+    ap.add_argument(
+        "--exit-distill",
+        type=float,
+        default=0.0,
+        help="with --distill-from: each shallow exit also adds this weight times KL from the teacher's distribution "
+        "at the step's depth, pulling the early loops toward the answer the last one gives (an exit settles sooner)",
+    )
     ap.add_argument("--eval-every", type=float, default=10.0, help="minutes between held-out evaluations")
     ap.add_argument(
         "--keep-checkpoints",
@@ -250,24 +312,29 @@ def build(args: argparse.Namespace, device: str):
     return cfg, model, opt, prior
 
 
-def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, gen, loss_fn, teacher=None):
-    """One optimizer step at a random depth L, with losses at the exits 1, 2, L/2 and L (and the teacher's KL and
-    the K/V drift when asked for); returns (L, losses)."""
+def train_step(args, model, opt, x, y, lr: float, weights: dict[str, float], amp, gen, loss_fn, teacher=None):
+    """One optimizer step at a random depth L, with losses at the exits `exit_depths` gives (and the teacher's KL
+    at the last exit, at the shallow ones with `--exit-distill`, and the K/V drift, when asked for); returns
+    (L, losses)."""
     for g in opt.param_groups:
         g["lr"] = lr
     L = random.randint(args.loops_min, args.loops_max)
     shared = random.random() < args.kv_share_frac
-    exits = {1: float(weights["1"]), 2: float(weights["2"]), max(1, L // 2): float(weights["half"])}
+    exits = exit_depths(weights, L)
     if shared:  # the shallow exits read the deeper loops' K/V here, which no decoding does: the final exit only
-        exits = {}
-    exits[L] = float(weights["last"])
+        exits = {L: exits[L]}
     trace = [] if args.kv_match_weight and not shared else None
     with amp:
+        target = teacher_logprobs(teacher, x, L) if teacher is not None else None
         hs = model.hidden_states(x, L, set(exits), args.kv_share_passes if shared else 0, trace)
-        losses = {d: exit_loss(model, hs[d], y, 1.0 if d == L else args.shallow_frac, gen, loss_fn) for d in exits}
+        losses = {}
+        for d in exits:
+            shallow = args.exit_distill if d < L else 0.0
+            frac = 1.0 if d == L else args.shallow_frac
+            losses[d] = exit_loss(model, hs[d], y, frac, gen, loss_fn, target if shallow else None, shallow)
         loss = sum(exits[d] * losses[d] for d in exits) / sum(exits.values())
-        if teacher is not None:
-            losses["distill"] = distill_loss(model, teacher, x, hs[L], L)
+        if target is not None:
+            losses["distill"] = distill_loss(model, target, hs[L])
             loss = loss + args.distill_weight * losses["distill"]
         if trace:
             losses["kv_drift"] = kv_drift(trace)
@@ -281,6 +348,9 @@ def train_step(args, model, opt, x, y, lr: float, weights: dict[str, str], amp, 
 
 def main() -> int:
     args = parse_args()
+    weights = parse_exit_weights(args.exit_weights)
+    if args.exit_distill and not args.distill_from:
+        raise SystemExit("--exit-distill needs --distill-from (the teacher whose distribution the exits learn)")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_flush_denormal(True)  # tiny softmax tails otherwise turn CPU matmuls 10x slower
@@ -297,7 +367,6 @@ def main() -> int:
     held = tokenize(args.data / "heldout.txt")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"train {len(train):,} tokens, held-out {len(held):,}; {n_params:,} params", flush=True)
-    weights = dict(kv.split(":") for kv in args.exit_weights.split(","))
     sharing = bool(args.kv_share_frac or args.kv_match_weight)
     gen = torch.Generator().manual_seed(args.seed)
     # A resumed run draws fresh windows: seeded by the seed alone, it would draw the first run's windows again, in
