@@ -4,6 +4,7 @@ way, in one run.
 
     python benches/auto_depth.py --json docs/auto_depth.json --plot docs/auto_depth.png   # docs/model.md's curve
     python benches/auto_depth.py --tokens 0 --rounds 0 --thresholds 0.0025   # perplexity only, whole split
+    python benches/auto_depth.py --tokens 32768 --rounds 0 --max-loops 6      # the same rules, capped at 6 loops
 
 Perplexity: windows of `--window` held-out tokens, each read as a generation reads its output — the first token
 through every loop, each later one through the loops its rule runs (fixed depths: every token through that many,
@@ -91,9 +92,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    cap = result.get("max_loops", 8)
     for rows, style, label, name in (
         (result["fixed"], "o-", "fixed loops", lambda r: str(r["loops"])),
-        (result["auto"], "s-", 'loops "auto" (threshold)', lambda r: f"{r['threshold']:g}"),
+        (result["auto"], "s-", f'loops "auto" (threshold; max_loops {cap})', lambda r: f"{r['threshold']:g}"),
     ):
         ax.plot([r["x_fixed_8"] for r in rows], [r["perplexity"] for r in rows], style, label=label)
         for r in rows:
@@ -110,7 +112,9 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def tabulate(fixed: dict[int, float], autos: list[tuple[float, float]], tps: list[list[float]]) -> dict:
+def tabulate(
+    fixed: dict[int, float], thresholds: list[float], autos: list[tuple[float, float]], tps: list[list[float]]
+) -> dict:
     """The result's rows: perplexities, mean loops, each setting's best round (`tokens_per_second`) and its median
     per-round ratio to fixed 8 (`x_fixed_8`), in `main`'s order of settings."""
     base = tps[FIXED.index(8)]
@@ -118,13 +122,13 @@ def tabulate(fixed: dict[int, float], autos: list[tuple[float, float]], tps: lis
     def speed_of(i: int) -> dict:
         return {"tokens_per_second": max(tps[i]), "x_fixed_8": median_ratio(tps[i], base)}
 
-    n = len(FIXED) + len(THRESHOLDS)
+    n = len(FIXED) + len(thresholds)
     drafted_ppl, drafted_loops = autos[-1]
     return {
         "fixed": [{"loops": d, "perplexity": fixed[d], **speed_of(i)} for i, d in enumerate(FIXED)],
         "auto": [
             {"threshold": th, "mean_loops": m, "perplexity": p, **speed_of(len(FIXED) + i)}
-            for i, (th, (p, m)) in enumerate(zip(THRESHOLDS, autos, strict=False))
+            for i, (th, (p, m)) in enumerate(zip(thresholds, autos, strict=False))
         ],
         "speculative": {
             "draft": list(DRAFT),
@@ -143,6 +147,7 @@ def tabulate(fixed: dict[int, float], autos: list[tuple[float, float]], tps: lis
 def report(result: dict) -> None:
     base = next(r for r in result["fixed"] if r["loops"] == 8)
     print(f"{result['machine']}; {result['tokens']} held-out tokens; fixed 8: ppl {base['perplexity']:.2f}")
+    print(f"auto rows: max_loops {result['max_loops']}")
     print(f"{'depth':>16} {'mean loops':>10} {'ppl':>8} {'vs 8':>7} {'best tok/s':>10} {'x 8 (median)':>12}")
     rows = [(f"fixed {r['loops']}", r["loops"], r) for r in result["fixed"]]
     rows += [(f"auto {r['threshold']:g}", r["mean_loops"], r) for r in result["auto"]]
@@ -182,24 +187,25 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="speed rounds (0: perplexity and mean loops only)")
-    ap.add_argument("--thresholds", default=None, help="comma-separated exit thresholds (with --rounds 0)")
+    ap.add_argument("--thresholds", default=None, help="comma-separated exit thresholds (default: the curve's)")
     ap.add_argument("--min-loops", type=int, default=2, help="the exit rules' min_loops (with --rounds 0)")
+    ap.add_argument("--max-loops", type=int, default=8, help="the exit rules' max_loops, drafted rows' too")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
-    if args.rounds > 0 and (args.thresholds or args.min_loops != 2):
-        ap.error("--thresholds and --min-loops choose the rules of a perplexity-only run (--rounds 0)")
+    if args.rounds > 0 and args.min_loops != 2:
+        ap.error("--min-loops chooses the rules of a perplexity-only run (--rounds 0); drafted rows use 3")
     engine = tinyloop.Engine(str(args.model))
     text = args.heldout.read_text(encoding="utf-8")
     wins = windows(held_out_ids(engine, text, args.tokens or len(text)), args.window)
+    chosen = [float(t) for t in args.thresholds.split(",")] if args.thresholds else THRESHOLDS
+    rules = [AutoDepth(min_loops=args.min_loops, max_loops=args.max_loops, threshold=t) for t in chosen]
     if args.rounds == 0:
-        chosen = [float(t) for t in args.thresholds.split(",")] if args.thresholds else THRESHOLDS
-        rules = [AutoDepth(min_loops=args.min_loops, max_loops=8, threshold=t) for t in chosen]
         autos = [auto_ppl(engine, wins, r) for r in rules]
         report_quality(fixed_ppl(engine, wins), chosen, autos, sum(len(w) - 1 for w in wins))
         return 0
-    rules = [AutoDepth(max_loops=8, threshold=t) for t in THRESHOLDS]
-    drafted = AutoDepth(min_loops=3, max_loops=8, threshold=DRAFTED_THRESHOLD)  # drafts need draft_loops < 3
+    # drafts need draft_loops < min_loops
+    drafted = AutoDepth(min_loops=3, max_loops=args.max_loops, threshold=DRAFTED_THRESHOLD)
     fixed = fixed_ppl(engine, wins)
     autos = [auto_ppl(engine, wins, r) for r in [*rules, drafted]]
     settings = [{"loops": d} for d in FIXED] + [{"loops": r} for r in rules]
@@ -211,7 +217,8 @@ def main() -> int:
         "tokens": sum(len(w) - 1 for w in wins),
         "window": args.window,
         "rounds": args.rounds,
-        **tabulate(fixed, autos, tps),
+        "max_loops": args.max_loops,
+        **tabulate(fixed, chosen, autos, tps),
     }
     report(result)
     if args.json:
