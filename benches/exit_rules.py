@@ -16,8 +16,8 @@ calibration text (training split) to say "loop `j` is within `--gate-delta` nats
 
 The bound: with `D_j` = KL(last loop ‖ loop `j`) over the full vocabulary — a token's expected extra loss at loop `j`
 if the last loop's distribution were the truth — "stop once `D_j` < t" is the threshold form, and "stop at the loop
-that minimizes `D_j + λ · j`" spends a mean depth where it buys the most expected loss, the best any depth
-assignment can do for that expected loss.
+that minimizes `D_j + λ · j`" puts each loop where it removes the most expected loss: no assignment of exits with as
+many loops in total has a smaller total `D`.
 """
 
 from __future__ import annotations
