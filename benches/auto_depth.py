@@ -92,10 +92,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    cap = result.get("max_loops", 8)
+    auto_label = f'loops "auto" (threshold; max_loops {result["max_loops"]})'
     for rows, style, label, name in (
         (result["fixed"], "o-", "fixed loops", lambda r: str(r["loops"])),
-        (result["auto"], "s-", f'loops "auto" (threshold; max_loops {cap})', lambda r: f"{r['threshold']:g}"),
+        (result["auto"], "s-", auto_label, lambda r: f"{r['threshold']:g}"),
     ):
         ax.plot([r["x_fixed_8"] for r in rows], [r["perplexity"] for r in rows], style, label=label)
         for r in rows:

@@ -77,6 +77,12 @@ def load(path: Path) -> tuple[LoopedLM, tinyloop.Engine, torch.Tensor | None]:
     return model.eval(), engine, settle_ids
 
 
+def read_out(model: LoopedLM, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loop's normed state and its log-probabilities over the full vocabulary."""
+    h = model.out_norm(state)[0]
+    return h, F.log_softmax(h @ model.embed.weight.T, -1)
+
+
 @torch.no_grad()
 def per_loop(model: LoopedLM, ids: list[int], window: int, loops: int, settle_ids: torch.Tensor | None) -> dict:
     """For every predicted token and loop 1..`loops`: the normed state, the target's NLL, the KL divergence of the
@@ -89,10 +95,9 @@ def per_loop(model: LoopedLM, ids: list[int], window: int, loops: int, settle_id
         hs = model.hidden_states(x, loops, set(range(1, loops + 1)))
         rows: dict[str, list] = {k: [] for k in out}
         prev = None
-        last = F.log_softmax(model.out_norm(hs[loops])[0] @ model.embed.weight.T, -1)
+        h_last, last = read_out(model, hs[loops])
         for d in range(1, loops + 1):
-            h = model.out_norm(hs[d])[0]
-            logp = F.log_softmax(h @ model.embed.weight.T, -1)
+            h, logp = read_out(model, hs[d]) if d < loops else (h_last, last)
             small = F.log_softmax(h @ model.embed.weight[settle_ids].T, -1) if settle_ids is not None else logp
             kl = (small.exp() * (small - prev)).sum(-1) if prev is not None else torch.full((window,), math.inf)
             prev = small
