@@ -24,6 +24,10 @@ pub enum Error {
     #[error("sequence too long: {needed} positions needed but the limit is {limit}")]
     ContextLength { needed: usize, limit: usize },
 
+    /// The device asked for cannot be used: a build without its backend, or no such GPU or driver.
+    #[error("{0}")]
+    Device(String),
+
     #[error("engine error: {0}")]
     Internal(String),
 }

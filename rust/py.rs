@@ -21,7 +21,7 @@ use crate::limits::{
     MAX_BRANCHES, MAX_CACHE_WINDOW, MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_LOGPROBS, MAX_LOOPS, MAX_TOP_K,
     MAX_TREE_ROWS, PREFILL_CHUNK, WINDOW_SLACK,
 };
-use crate::model::AutoDepth as RsAutoDepth;
+use crate::model::{AutoDepth as RsAutoDepth, Compute, DEVICE_NAMES};
 use crate::sampler::SamplingParams as RsParams;
 
 create_exception!(_core, TinyloopError, PyException, "Base class of every tinyloop engine error.");
@@ -41,6 +41,12 @@ create_exception!(_core, InvalidRequestError, TinyloopError, "An argument is out
 create_exception!(_core, ContextLengthError, InvalidRequestError, "Prompt plus max_tokens exceeds the sequence limit.");
 create_exception!(
     _core,
+    DeviceError,
+    TinyloopError,
+    "The device asked for cannot be used: a build without its backend, or no such GPU or driver."
+);
+create_exception!(
+    _core,
     EngineError,
     TinyloopError,
     "An internal engine failure (a bug): the request failed, the engine keeps serving."
@@ -53,6 +59,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Tokenizer(_) => TokenizerError::new_err(msg),
         Error::InvalidArgument(_) => InvalidRequestError::new_err(msg),
         Error::ContextLength { .. } => ContextLengthError::new_err(msg),
+        Error::Device(_) => DeviceError::new_err(msg),
         Error::Internal(_) => EngineError::new_err(msg),
     }
 }
@@ -201,6 +208,8 @@ struct ModelInfo {
     kv_cache_mode: String,
     /// "none" or "last" (loops share the last loop's KV after the prompt).
     kv_share: String,
+    /// Where the model computes: "cpu", "cuda:N" or "candle-cpu".
+    device: String,
     /// Tokens speculative drafts may propose through the draft head; 0 when drafts use the full head.
     draft_vocab_size: usize,
     /// Tokens `loops="auto"`'s settling rule compares successive loops over; 0 when it reads the full head.
@@ -680,7 +689,7 @@ impl Engine {
     #[pyo3(signature = (
         path, max_seq_len=None, kv_cache_mode="fp16", draft_vocab=true, grammar_threads=None,
         prompt_cache_mib=256, prompt_cache_entries=4, prompt_cache_disk=None, prompt_cache_disk_mib=1024,
-        kv_share="none",
+        kv_share="none", device="cpu",
     ))]
     #[allow(clippy::too_many_arguments)] // the Python keyword signature
     fn new(
@@ -695,6 +704,7 @@ impl Engine {
         prompt_cache_disk: Option<PathBuf>,
         prompt_cache_disk_mib: u64,
         kv_share: &str,
+        device: &str,
     ) -> PyResult<Self> {
         let prompt_cache = PromptCache {
             max_bytes: prompt_cache_mib.saturating_mul(1 << 20),
@@ -702,7 +712,7 @@ impl Engine {
             disk: prompt_cache_disk.map(|dir| (dir, prompt_cache_disk_mib.saturating_mul(1 << 20))),
         };
         let mut inner = detached(py, || {
-            let mut engine = RsEngine::load_with_kv(&path, max_seq_len, kv_cache_mode)?;
+            let mut engine = RsEngine::load_on(&path, max_seq_len, kv_cache_mode, Compute::parse(device)?)?;
             engine.set_kv_share(kv_share)?;
             engine.set_prompt_cache(prompt_cache)?;
             Ok(engine)
@@ -740,6 +750,7 @@ impl Engine {
             kv_dtype: self.inner.model.kv_kind().name().to_string(),
             kv_cache_mode: self.inner.kv_cache_mode.clone(),
             kv_share: if self.inner.model.kv_share() { "last" } else { "none" }.to_string(),
+            device: self.inner.model.compute().name(),
             draft_vocab_size: self.inner.model.draft_vocab_len_in_use(),
             exit_vocab_size: self.inner.model.exit_vocab_len(),
         }
@@ -949,9 +960,15 @@ impl Engine {
     /// A raw sequence with its own cache of `capacity` positions (default: max_seq_len); `window > 0` makes each
     /// row attend to the last `window` positions only, and lets the cache drop older ones when it fills.
     #[pyo3(signature = (capacity=None, window=0))]
-    fn sequence(&self, capacity: Option<usize>, window: usize) -> Sequence {
+    fn sequence(&self, capacity: Option<usize>, window: usize) -> PyResult<Sequence> {
         let cap = capacity.unwrap_or(self.inner.max_seq_len);
-        Sequence { engine: self.inner.clone(), cache: self.inner.model.new_cache(cap).with_window(window), len: 0 }
+        if window > 0 && self.inner.model.compute().on_device() {
+            return Err(to_py(Error::InvalidArgument(format!(
+                "window (a sliding KV window) is not available on device {:?} yet; leave it 0",
+                self.inner.model.compute().name()
+            ))));
+        }
+        Ok(Sequence { engine: self.inner.clone(), cache: self.inner.model.new_cache(cap).with_window(window), len: 0 })
     }
 }
 
@@ -1013,6 +1030,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidRequestError", py.get_type::<InvalidRequestError>())?;
     m.add("ContextLengthError", py.get_type::<ContextLengthError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("DEVICE_NAMES", DEVICE_NAMES)?;
     // The limits the HTTP layer checks requests against (`limits.rs`).
     m.add("MAX_LOOPS", MAX_LOOPS)?;
     m.add("MAX_TREE_ROWS", MAX_TREE_ROWS)?;

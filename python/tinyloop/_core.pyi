@@ -79,6 +79,9 @@ class TokenizerError(TinyloopError): ...
 class InvalidRequestError(TinyloopError): ...
 class ContextLengthError(InvalidRequestError): ...
 class EngineError(TinyloopError): ...
+class DeviceError(TinyloopError): ...
+
+DEVICE_NAMES: str
 
 @final
 class SamplingParams:
@@ -164,6 +167,9 @@ class ModelInfo:
     @property
     def kv_share(self) -> str:
         """Either "none", or "last": after the prompt, loops share the last loop's KV."""
+    @property
+    def device(self) -> str:
+        """Where the model computes: "cpu", "cuda:N", or "candle-cpu" (the device path on candle's CPU device)."""
     @property
     def draft_vocab_size(self) -> int:
         """Tokens speculative drafts may propose via the draft head; 0: drafts use the full head."""
@@ -342,6 +348,7 @@ class Engine:
         prompt_cache_disk: str | PathLike[str] | None = None,  # a directory keeping prefixes across restarts
         prompt_cache_disk_mib: int = 1024,
         kv_share: str = "none",  # "last": after the prompt, loops share the last loop's KV (no drafts, no reuse)
+        device: str = "cpu",  # "cuda", "cuda:N" (the CUDA build), "candle-cpu" (the device path on the host)
     ) -> Self: ...
     @property
     def prompt_cache_usage(self) -> tuple[int, int]:

@@ -11,7 +11,7 @@ use crate::kernels::isa;
 use crate::kv::{hash_file, DiskConfig, KvCache, KvKind, PrefixConfig, PrefixStore};
 use crate::limits::{MAX_LOGPROBS, MAX_LOOPS};
 use crate::loader::{self, ModelFile};
-use crate::model::{AutoDepth, Config, LogitRows, Model, RowBlock, SeqChunk};
+use crate::model::{AutoDepth, Compute, Config, LogitRows, Model, RowBlock, SeqChunk};
 use crate::sampler::TokenLogprob;
 use crate::tokenizer::Tokenizer;
 
@@ -79,7 +79,18 @@ impl Engine {
     }
 
     pub fn load_with_kv(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str) -> Result<Self> {
+        Self::load_on(path, max_seq_len, kv_cache_mode, Compute::Host)
+    }
+
+    /// `load_with_kv`, computing where `compute` says (`Compute::parse` reads the device names). On a device only
+    /// the "fp16" KV mode exists.
+    pub fn load_on(path: &Path, max_seq_len: Option<usize>, kv_cache_mode: &str, compute: Compute) -> Result<Self> {
         isa::requested().map_err(Error::InvalidArgument)?;
+        ensure_arg!(
+            kv_cache_mode == "fp16" || !compute.on_device(),
+            "KV cache mode {kv_cache_mode:?} is not available on device {:?} yet; use \"fp16\"",
+            compute.name()
+        );
         let ModelFile { config, vocab, tensors, quant, head_rows, chat_template, generation } = loader::load(path)?;
         let tokenizer = Arc::new(Tokenizer::from_vocab(&vocab).map_err(|e| Error::Format {
             path: path.to_path_buf(),
@@ -88,7 +99,7 @@ impl Engine {
         })?);
         let max_seq_len = max_seq_len.unwrap_or(config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
-        let mut model = Model::new(config, tensors, head_rows)?;
+        let mut model = Model::on(config, tensors, head_rows, compute)?;
         let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);
         let grammars = Grammars::new(tokenizer.clone(), model.cfg.vocab_size);
@@ -120,6 +131,13 @@ impl Engine {
         }
         let disk = match cache.disk {
             None => None,
+            Some(_) if self.model.compute().on_device() => {
+                return Err(Error::InvalidArgument(format!(
+                    "the prompt cache's directory (prompt_cache_disk) is not available on device {:?} yet; \
+                     the in-memory prompt cache is",
+                    self.model.compute().name()
+                )))
+            }
             Some((dir, max_bytes)) => {
                 let hash = hash_file(&self.path)
                     .map_err(|e| Error::Internal(format!("hashing {}: {e}", self.path.display())))?;

@@ -54,6 +54,25 @@ enum Next {
     Solo,
 }
 
+/// What the device path does not run yet, refused by name on an engine that computes on a device.
+fn device_supports(engine: &Engine, generation: &Generation) -> Result<()> {
+    let compute = engine.model.compute();
+    if !compute.on_device() {
+        return Ok(());
+    }
+    let device = compute.name();
+    ensure_arg!(
+        generation.speculative.is_none_or(|s| s.k_branches == 1),
+        "tree speculative decoding (K_branches > 1) is not available on device {device:?} yet; chain mode \
+         (K_branches 1) is"
+    );
+    ensure_arg!(
+        generation.cache_window == 0,
+        "cache_window (a sliding KV window) is not available on device {device:?} yet; leave it 0"
+    );
+    Ok(())
+}
+
 impl Generator {
     /// Validate `generation` (every argument check of a request happens here) and set up its cache and sampler.
     pub fn new(engine: Arc<Engine>, prompt: Vec<u32>, generation: Generation) -> Result<Self> {
@@ -71,6 +90,7 @@ impl Generator {
             "with loops \"auto\", this model's exit gate decides each token's depth from its first loop on, which \
              drafts skip: leave draft settings out"
         );
+        device_supports(&engine, &generation)?;
         let constraint = generation.grammar.as_ref().map(|g| engine.grammars.compile(g)).transpose()?;
         let Generation { params, speculative, cache_window, auto, .. } = generation;
         let needed = prompt.len() + params.max_tokens;

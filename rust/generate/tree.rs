@@ -25,8 +25,7 @@ pub(super) fn round(model: &Model, seq: &mut SeqState, spec: Speculative) -> Res
     let h = model.run(Tensor::cat(&tree.hidden, 0)?, &mut seqs, false, spec.draft_loops..spec.verify_loops)?;
     let logits = model.logits(&h)?.to_vec2::<f32>()?;
     seq.pending = None;
-    profile::time(Stage::Sample, || tree.walk(seq, logits));
-    Ok(())
+    profile::time(Stage::Sample, || tree.walk(seq, logits))
 }
 
 /// A drafted tree of `k` depths from position `p0`: path node j (`path[j]`, depth j; `path[0]` the pending token)
@@ -116,7 +115,7 @@ impl Tree {
 
     /// Walk the verified tree with the verifier's `logits` (one row per node): emit its tokens, keep the agreed
     /// rows, move a chosen leaf's K/V into place and roll back the rest.
-    fn walk(&self, seq: &mut SeqState, mut logits: Vec<Vec<f32>>) {
+    fn walk(&self, seq: &mut SeqState, mut logits: Vec<Vec<f32>>) -> Result<()> {
         seq.sampler.rewind_drafts();
         seq.draft.rounds += 1;
         seq.draft.proposed += self.k;
@@ -140,7 +139,7 @@ impl Tree {
                     let step = seq.emit(next);
                     seq.ready.push_back(step);
                 }
-                seq.cache.move_position(self.leaf_store(j, i + 1), self.p0 + j);
+                seq.cache.move_position(self.leaf_store(j, i + 1), self.p0 + j)?;
                 fed += 1;
                 break;
             } else {
@@ -148,6 +147,7 @@ impl Tree {
             }
         }
         seq.commit(fed);
+        Ok(())
     }
 }
 

@@ -26,7 +26,7 @@ impl Model {
         let mut exits: Vec<Vec<usize>> = blocks.iter().map(|b| vec![usize::MAX; b.seq.tokens.len()]).collect();
         let mut held: Vec<Vec<Option<Tensor>>> = exits.iter().map(|e| vec![None; e.len()]).collect();
         let mut prev: Vec<Vec<Option<Vec<f32>>>> = exits.iter().map(|e| vec![None; e.len()]).collect();
-        if !self.prelude.is_empty() {
+        if self.cfg.prelude_count > 0 {
             let starting = |b: &RowBlock| b.loops.start == 0;
             profile::time(Stage::Blocks, || self.advance(blocks, starting, |x, seqs| self.prelude_pass(x, seqs)))?;
         }

@@ -206,7 +206,7 @@ fn attend(
 
 /// The rows of a chunk that stopped looping before the loop `slot` belongs to, each with the slot of the same layer
 /// in its exit loop (adaptive depth: their K/V there is that loop's).
-fn exit_fills(cfg: &Config, slot: usize, exits: &[usize]) -> Vec<(usize, usize)> {
+pub(super) fn exit_fills(cfg: &Config, slot: usize, exits: &[usize]) -> Vec<(usize, usize)> {
     let (prelude, block) = (cfg.prelude_count, cfg.block_count);
     if slot < prelude {
         return Vec::new();

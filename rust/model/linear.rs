@@ -1,13 +1,17 @@
 //! Linear layers. F16 and F32 weights, and Q4_0 / Q8_0 where the CPU has AVX2, go through tinyloop's own kernels
 //! (`kernels::dense`, `kernels::blockq`), whose outputs do not depend on how many rows are multiplied together;
-//! other quantized weights through candle's `QMatMul`.
+//! other quantized weights through candle's `QMatMul`. On a candle device (`Compute::Device`) every weight is a
+//! `DevWeight`: dense types as tensors in their own type (cuBLAS on a GPU), block types through candle's quantized
+//! matmul kernels.
 
 use std::sync::Arc;
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
-use crate::error::Result;
+use super::compute::Compute;
+use crate::error::{Error, Result};
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::kernels::blockq::{Body, Codes, QMatrix};
 use crate::kernels::dense::{DenseMatrix, F16Matrix};
@@ -20,9 +24,55 @@ pub enum Linear {
     Quantized(QMatMul),
     /// F16 and F32; Q4_0 and Q8_0 through `kernels::blockq`, where the CPU runs one of its bodies.
     Own(Arc<dyn Kernel>),
+    /// A weight on a candle device.
+    Device(DevWeight),
+}
+
+#[derive(Clone)]
+pub enum DevWeight {
+    /// F32, F16 and BF16 weights in their own type, `(n, k)`: each product casts its input to that type and its
+    /// output back to f32 (the residual stream's type), so a half weight is read as half.
+    Dense(Tensor),
+    /// Q4_0, Q8_0 and the other block types, on the device in their GGUF blocks.
+    Blocks(QMatMul),
+}
+
+impl DevWeight {
+    /// The host tensor `t`'s bytes, on `device`.
+    pub fn new(t: &QTensor, device: &Device) -> Result<Self> {
+        let dims = t.shape().dims().to_vec();
+        Ok(match t.dtype() {
+            GgmlDType::F32 => Self::Dense(t.dequantize(&Device::Cpu)?.to_device(device)?),
+            GgmlDType::F16 => Self::Dense(t.dequantize_f16(&Device::Cpu)?.to_device(device)?),
+            GgmlDType::BF16 => {
+                let raw = t.data()?;
+                let values: Vec<half::bf16> =
+                    raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]])).collect();
+                Self::Dense(Tensor::from_vec(values, dims, &Device::Cpu)?.to_device(device)?)
+            }
+            dtype => Self::Blocks(QMatMul::from_arc(Arc::new(qtensor_from_ggml(dtype, &t.data()?, dims, device)?))?),
+        })
+    }
+
+    /// `x · Wᵀ`: `(m, k)` f32 to `(m, n)` f32, on the weight's device.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::Dense(w) if w.dtype() == DType::F32 => x.matmul(&w.t()?)?,
+            Self::Dense(w) => x.to_dtype(w.dtype())?.matmul(&w.t()?)?.to_dtype(DType::F32)?,
+            Self::Blocks(q) => q.forward(x)?,
+        })
+    }
 }
 
 impl Linear {
+    /// The weight where `compute` runs: the CPU engine's kernels (`new`), or a `DevWeight` on the device.
+    pub fn on(t: Arc<QTensor>, compute: &Compute) -> Result<Self> {
+        match compute {
+            Compute::Host => Self::new(t),
+            Compute::Device(device) => Ok(Self::Device(DevWeight::new(&t, device)?)),
+        }
+    }
+
     pub fn new(t: Arc<QTensor>) -> Result<Self> {
         Ok(match t.dtype() {
             GgmlDType::F16 => Self::Own(Arc::new(F16Matrix::new(&t)?)),
@@ -51,6 +101,7 @@ impl Linear {
                 let out = self.forward_rows(&x.flatten_all()?.to_vec1::<f32>()?, m)?;
                 Ok(Tensor::from_vec(out, (m, w.rows()), &Device::Cpu)?)
             }
+            Self::Device(w) => w.forward(x),
         }
     }
 
@@ -66,6 +117,7 @@ impl Linear {
                 w.matmul(x, m, &mut out);
                 Ok(out)
             }
+            Self::Device(_) => Err(on_device("a product on host rows")),
         }
     }
 
@@ -84,8 +136,15 @@ impl Linear {
                 }
                 Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
             }
+            Self::Device(_) => Err(on_device("an embedding lookup")),
         }
     }
+}
+
+/// The device path embeds on the host and multiplies on the device tensors; the host-row calls are the CPU
+/// engine's.
+fn on_device(what: &str) -> Error {
+    Error::Internal(format!("{what} was asked of a weight on a device"))
 }
 
 /// Whether candle 0.11 runs this Q8_0 matrix through its repacked AVX-512 VNNI tiles: output count a multiple of 16

@@ -4,9 +4,15 @@
 //! Every forward call takes a batch of sequence chunks: the linear layers see all rows at once, attention runs per
 //! sequence over its own cache. The loop range is explicit so a caller can run loops `d..L` on hidden states that a
 //! depth-`d` pass produced (the prefix property the speculative modes rely on).
+//!
+//! The model computes where its `Compute` says: on the CPU engine's own kernels (`layer.rs`), or on a candle device
+//! (`dev_layer.rs`), where weights, hidden states and the KV cache stay in device memory. Either way the embedding
+//! lookup runs on the host (its rows are uploaded) and logits come back to the host for the sampler.
 
+mod compute;
 mod config;
 mod depth;
+mod dev_layer;
 mod exit;
 mod layer;
 mod linear;
@@ -23,8 +29,10 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+pub use compute::{Compute, DEVICE_NAMES};
 pub use config::{Config, RopeScaling};
 pub use depth::AutoDepth;
+use dev_layer::{AnyLayer, DevLayer};
 use layer::{norm, take, Layer};
 pub use linear::Linear;
 use rope::Rope;
@@ -50,8 +58,9 @@ pub struct Model {
     /// The early-exit gate (`exit_gate.weight` as `(dim, 1)`, `exit_gate.bias`), when the file has one.
     exit_gate: Option<(Tensor, f32)>,
     output_norm: Tensor,
-    prelude: Vec<Layer>,
-    block: Vec<Layer>,
+    prelude: Vec<AnyLayer>,
+    block: Vec<AnyLayer>,
+    compute: Compute,
     rope: Rope,
     kv_kind: KvKind,
     /// Whether caches share one slot per block layer across loops after the prompt (`kv_share = "last"`).
@@ -79,20 +88,28 @@ fn pad_rows_for_kernels(t: Arc<QTensor>) -> Result<Arc<QTensor>> {
 impl Model {
     /// The model of shape `cfg` over the loader's checked `tensors`; `rows` lists the draft and exit vocabularies,
     /// if any.
-    pub fn new(cfg: Config, mut tensors: HashMap<String, QTensor>, rows: HeadRows) -> Result<Self> {
+    pub fn new(cfg: Config, tensors: HashMap<String, QTensor>, rows: HeadRows) -> Result<Self> {
+        Self::on(cfg, tensors, rows, Compute::Host)
+    }
+
+    /// `new`, computing where `compute` says.
+    pub fn on(cfg: Config, mut tensors: HashMap<String, QTensor>, rows: HeadRows, compute: Compute) -> Result<Self> {
         let all_f32 = tensors.values().all(|t| t.dtype() == GgmlDType::F32);
         let embd_t = Arc::new(take(&mut tensors, "token_embd.weight")?);
         let head_t = tensors.remove("output.weight").map_or_else(|| embd_t.clone(), Arc::new);
         let head_t = pad_rows_for_kernels(head_t)?;
-        let row_head = |ids: Option<Vec<u32>>| ids.map(|ids| RowHead::new(&head_t, &ids, cfg.vocab_size)).transpose();
+        let row_head =
+            |ids: Option<Vec<u32>>| ids.map(|ids| RowHead::new(&head_t, &ids, cfg.vocab_size, &compute)).transpose();
         let (draft_head, exit_head) = (row_head(rows.draft)?, row_head(rows.exit)?);
-        let tied = Arc::ptr_eq(&embd_t, &head_t); // tied, and no padding needed: one copy serves both
+        // Tied, no padding needed and on the host: one copy serves both.
+        let tied = Arc::ptr_eq(&embd_t, &head_t) && !compute.on_device();
         let embd = Linear::new(embd_t)?;
-        let head = if tied { embd.clone() } else { Linear::new(head_t)? };
-        let output_norm = norm(&mut tensors, "output_norm.weight")?;
+        let head = if tied { embd.clone() } else { Linear::on(head_t, &compute)? };
+        let dev = compute.device();
+        let output_norm = norm(&mut tensors, "output_norm.weight")?.to_device(dev)?;
         let exit_gate = match cfg.exit_gate {
             true => Some((
-                norm(&mut tensors, "exit_gate.weight")?.t()?.contiguous()?,
+                norm(&mut tensors, "exit_gate.weight")?.t()?.contiguous()?.to_device(dev)?,
                 norm(&mut tensors, "exit_gate.bias")?.to_vec1::<f32>()?[0],
             )),
             false => None,
@@ -102,16 +119,20 @@ impl Model {
             .filter(|(name, _)| name.starts_with("pre.") || name.starts_with("blk."))
             .map(|(_, t)| t.storage_size_in_bytes())
             .sum();
-        let prelude: Vec<Layer> = (0..cfg.prelude_count)
-            .map(|i| Layer::load(&mut tensors, &format!("pre.{i}"), &cfg))
-            .collect::<Result<_>>()?;
-        let block = (0..cfg.block_count)
-            .map(|i| Layer::load(&mut tensors, &format!("blk.{i}"), &cfg))
-            .collect::<Result<_>>()?;
-        let rope = Rope::new(&cfg);
+        let mut layer = |name: String| match &compute {
+            Compute::Host => Layer::load(&mut tensors, &name, &cfg).map(AnyLayer::Host),
+            Compute::Device(d) => DevLayer::load(&mut tensors, &name, &cfg, d).map(AnyLayer::Device),
+        };
+        let prelude: Vec<AnyLayer> =
+            (0..cfg.prelude_count).map(|i| layer(format!("pre.{i}"))).collect::<Result<_>>()?;
+        let block: Vec<AnyLayer> = (0..cfg.block_count).map(|i| layer(format!("blk.{i}"))).collect::<Result<_>>()?;
+        let rope = match &compute {
+            Compute::Host => Rope::new(&cfg),
+            Compute::Device(d) => Rope::new(&cfg).on_device(d, cfg.context_length)?,
+        };
         let kv_kind = if all_f32 { KvKind::F32 } else { KvKind::F16 };
         let use_draft_head = draft_head.is_some();
-        let split_batches = layer_bytes <= SPLIT_MAX_BYTES && prelude.iter().chain(&block).all(Layer::own_kernels);
+        let split_batches = layer_bytes <= SPLIT_MAX_BYTES && prelude.iter().chain(&block).all(AnyLayer::own_kernels);
         Ok(Self {
             cfg,
             embd,
@@ -127,7 +148,13 @@ impl Model {
             kv_kind,
             kv_share: false,
             split_batches,
+            compute,
         })
+    }
+
+    /// Where this model computes.
+    pub fn compute(&self) -> &Compute {
+        &self.compute
     }
 
     /// Whether adaptive depth follows the file's exit gate (else the settling rule; `AutoDepth`).
@@ -166,7 +193,10 @@ impl Model {
         let shape =
             AttnShape { n_heads: self.cfg.n_heads, n_kv_heads: self.cfg.n_kv_heads, head_dim: self.cfg.head_dim };
         let (prelude, block) = (self.cfg.prelude_count, self.cfg.block_count);
-        let cache = KvCache::new(self.kv_kind, shape, capacity, prelude + MAX_LOOPS * block);
+        let mut cache = KvCache::new(self.kv_kind, shape, capacity, prelude + MAX_LOOPS * block);
+        if let Compute::Device(d) = &self.compute {
+            cache = cache.on_device(d);
+        }
         if self.kv_share {
             cache.with_shared_loops(prelude, block)
         } else {
@@ -183,7 +213,7 @@ impl Model {
     /// `Engine::score`, `Engine::feed`).
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         debug_assert!(tokens.iter().all(|&t| (t as usize) < self.cfg.vocab_size), "token ids are checked on entry");
-        profile::time(Stage::Embed, || self.embd.rows(tokens))
+        profile::time(Stage::Embed, || Ok(self.embd.rows(tokens)?.to_device(self.compute.device())?))
     }
 
     /// Run the prelude (when `with_prelude`) and then block loops `loops` over `x` (rows of all `seqs`, in order).
@@ -254,7 +284,7 @@ impl Model {
             return Ok(());
         };
         debug_assert!(last <= MAX_LOOPS, "loops are checked on entry");
-        if !self.prelude.is_empty() {
+        if self.cfg.prelude_count > 0 {
             self.advance(blocks, |b| b.loops.start == 0, |x, seqs| self.prelude_pass(x, seqs))?;
         }
         for lp in first..last {
@@ -341,9 +371,9 @@ impl Model {
         Ok(candle_nn::ops::rms_norm(h, &self.output_norm, self.cfg.rms_eps as f32)?)
     }
 
-    /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits.
+    /// Final norm and head: `(n, dim)` hidden states to `(n, vocab)` logits, on the host.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        profile::time(Stage::Head, || self.head_logits(h))
+        profile::time(Stage::Head, || Ok(self.head_logits(h)?.to_device(&Device::Cpu)?))
     }
 
     fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
@@ -372,7 +402,7 @@ impl Model {
                     off += s.tokens.len() as u32;
                     ends.push(off - 1);
                 }
-                h.index_select(&Tensor::new(ends.as_slice(), &Device::Cpu)?, 0)?
+                h.index_select(&Tensor::new(ends.as_slice(), h.device())?, 0)?
             }
         };
         self.logits(&h)

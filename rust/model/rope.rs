@@ -3,6 +3,8 @@
 
 use std::sync::RwLock;
 
+use candle_core::{Device, Tensor};
+
 use super::config::Config;
 use crate::limits::ROPE_TABLE_MAX;
 
@@ -14,6 +16,9 @@ pub(super) struct Rope {
     /// `ROPE_TABLE_MAX` positions: every layer of every loop rotates the same positions, and computing the angles
     /// anew takes 3–4% of a prefill.
     table: RwLock<Vec<(f32, f32)>>,
+    /// On a candle device: cos and sin of every position below the context length, `(positions, head_dim / 2)`,
+    /// the same f32 values as `table`'s.
+    device_tables: Option<(Tensor, Tensor)>,
 }
 
 impl Rope {
@@ -23,7 +28,34 @@ impl Rope {
             .map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
             .map(|f| cfg.rope_scaling.map_or(f, |s| s.apply(f)))
             .collect();
-        Self { head_dim: cfg.head_dim, inv_freq, table: Default::default() }
+        Self { head_dim: cfg.head_dim, inv_freq, table: Default::default(), device_tables: None }
+    }
+
+    /// This RoPE with its angle tables on `device` for positions below `positions`.
+    pub(super) fn on_device(mut self, device: &Device, positions: usize) -> candle_core::Result<Self> {
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(positions * half), Vec::with_capacity(positions * half));
+        for p in 0..positions {
+            for f in &self.inv_freq {
+                cos.push((p as f64 * f).cos() as f32);
+                sin.push((p as f64 * f).sin() as f32);
+            }
+        }
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (positions, half), &Device::Cpu)?.to_device(device);
+        self.device_tables = Some((table(cos)?, table(sin)?));
+        Ok(self)
+    }
+
+    /// `apply` on the device: `x (n, heads·head_dim)`, row r rotated for `positions[r]`, through candle-nn's
+    /// interleaved-pair RoPE kernel with one (cos, sin) row per input row.
+    pub(super) fn rotate(&self, x: &Tensor, heads: usize, positions: &[u32]) -> candle_core::Result<Tensor> {
+        let Some((cos, sin)) = &self.device_tables else { candle_core::bail!("RoPE has no device tables") };
+        let (n, half) = (positions.len(), self.head_dim / 2);
+        let at = Tensor::from_slice(positions, n, cos.device())?;
+        let (c, s) =
+            (cos.index_select(&at, 0)?.reshape((n, 1, half))?, sin.index_select(&at, 0)?.reshape((n, 1, half))?);
+        let x = x.reshape((n, heads, 1, self.head_dim))?;
+        candle_nn::rotary_emb::rope_i(&x, &c, &s)?.reshape((n, heads * self.head_dim))
     }
 
     /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i, row r at `positions[r]`.

@@ -20,6 +20,7 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
+use super::compute::Compute;
 use super::linear::Linear;
 use crate::error::{Error, Result};
 
@@ -37,8 +38,8 @@ pub struct RowHead {
 }
 
 impl RowHead {
-    /// Rows `ids` of the (possibly padded) head tensor, in the head's own storage type.
-    pub fn new(head: &QTensor, ids: &[u32], vocab_size: usize) -> Result<Self> {
+    /// Rows `ids` of the (possibly padded) head tensor, in the head's own storage type, where `compute` runs.
+    pub fn new(head: &QTensor, ids: &[u32], vocab_size: usize, compute: &Compute) -> Result<Self> {
         let mut ids = ids.to_vec();
         ids.sort_unstable();
         ids.dedup();
@@ -54,7 +55,7 @@ impl RowHead {
             picked.extend_from_slice(&raw[r..r + row_bytes]);
         }
         let t = qtensor_from_ggml(head.dtype(), &picked, vec![ids.len(), cols], &Device::Cpu)?;
-        Ok(Self { ids, head: Linear::new(Arc::new(t))? })
+        Ok(Self { ids, head: Linear::on(Arc::new(t), compute)? })
     }
 
     pub fn len(&self) -> usize {

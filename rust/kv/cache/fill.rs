@@ -21,7 +21,10 @@ impl KvCache {
         if to >= self.slots.len() || from >= self.slots.len() {
             return Err(Error::Internal(format!("no KV slot {}", from.max(to))));
         }
-        let kind = self.kind;
+        if self.slots[to].is_none() {
+            self.slots[to] = Some(self.empty_slot()?);
+        }
+        let shape = self.shape;
         let (src, dst) = if from < to {
             let (a, b) = self.slots.split_at_mut(to);
             (&a[from], &mut b[0])
@@ -32,12 +35,15 @@ impl KvCache {
         let Some(src) = src.as_ref() else {
             return Err(Error::Internal(format!("KV slot {from} was never written")));
         };
-        let dst = dst.get_or_insert_with(|| SlotBuf::empty(kind));
+        let Some(dst) = dst.as_mut() else {
+            return Err(Error::Internal(format!("KV slot {to} vanished")));
+        };
         match (src, dst) {
             (SlotBuf::F32(a), SlotBuf::F32(b)) => b.copy_position(a, ctx, pos),
             (SlotBuf::F16(a), SlotBuf::F16(b)) => b.copy_position(a, ctx, pos),
             (SlotBuf::I8(a), SlotBuf::I8(b)) => b.copy_position(a, ctx, pos),
             (SlotBuf::I4(a), SlotBuf::I4(b)) => b.copy_position(a, ctx, pos),
+            (SlotBuf::Dev(a), SlotBuf::Dev(b)) => b.copy_position(a, shape, ctx.cap, pos),
             _ => Err(Error::Internal("KV slots of different kinds".into())),
         }
     }

@@ -14,6 +14,7 @@
 //! write would run past the capacity, older positions are dropped by moving the live ones to the front (`base` is
 //! the position stored at index 0). RoPE positions stay absolute, since K is stored already rotated.
 
+use candle_core::Device;
 use half::f16;
 
 use crate::error::{Error, Result};
@@ -22,6 +23,7 @@ use crate::kv::attend::{attend, Ctx, RowLayout, SlotView};
 use crate::kv::elem::{hadamard, KvElem, Nibbles};
 use crate::limits::WINDOW_SLACK;
 
+mod device;
 mod fill;
 mod share;
 mod snapshot;
@@ -112,6 +114,8 @@ enum SlotBuf {
     F16(Slot<f16>),
     I8(Slot<i8>),
     I4(Slot<Nibbles>),
+    /// In device memory (`device.rs`).
+    Dev(device::DevSlot),
 }
 
 impl SlotBuf {
@@ -132,6 +136,20 @@ macro_rules! each_slot {
             SlotBuf::F16($s) => $body,
             SlotBuf::I8($s) => $body,
             SlotBuf::I4($s) => $body,
+            SlotBuf::Dev($s) => $body,
+        }
+    };
+}
+
+/// `each_slot!` over the host formats, `$dev` for a device slot.
+macro_rules! each_host_slot {
+    ($buf:expr, $s:ident => $body:expr, device => $dev:expr) => {
+        match $buf {
+            SlotBuf::F32($s) => $body,
+            SlotBuf::F16($s) => $body,
+            SlotBuf::I8($s) => $body,
+            SlotBuf::I4($s) => $body,
+            SlotBuf::Dev(_) => $dev,
         }
     };
 }
@@ -154,11 +172,21 @@ pub struct KvCache {
     slots: Vec<Option<SlotBuf>>,
     /// Loops share one slot per block layer once the prompt is in (`share.rs`); `None`: a slot per (loop, layer).
     share: Option<LoopShare>,
+    /// Where new slots live: a candle device's memory (`device.rs`), or the host.
+    device: Option<Device>,
 }
 
 impl KvCache {
     pub fn new(kind: KvKind, shape: AttnShape, capacity: usize, n_slots: usize) -> Self {
-        Self { kind, shape, capacity, window: 0, slots: (0..n_slots).map(|_| None).collect(), share: None }
+        Self {
+            kind,
+            shape,
+            capacity,
+            window: 0,
+            slots: (0..n_slots).map(|_| None).collect(),
+            share: None,
+            device: None,
+        }
     }
 
     /// Restrict attention to the last `window` positions (0: no window) and let slots drop older ones.
@@ -261,12 +289,13 @@ impl KvCache {
         let (ctx, kind) = (self.ctx(), self.kind);
         let entry = self.slots.get_mut(slot).ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
         let buf = entry.get_or_insert_with(|| SlotBuf::empty(kind));
-        each_slot!(buf, s => s.write(ctx, layout, k, v))?;
+        let on_device = || Error::Internal(format!("KV slot {slot} is in device memory"));
+        each_host_slot!(buf, s => s.write(ctx, layout, k, v), device => Err(on_device()))?;
         for &(row, from) in layout.fills {
             self.copy_position(from, logical, layout.store[row])?;
         }
         let buf = self.slots[slot].as_ref().ok_or_else(|| Error::Internal(format!("no KV slot {slot}")))?;
-        each_slot!(buf, s => attend(s.view(), ctx, layout, q, out));
+        each_host_slot!(buf, s => attend(s.view(), ctx, layout, q, out), device => return Err(on_device()));
         Ok(())
     }
 
@@ -289,10 +318,12 @@ impl KvCache {
                     SlotBuf::F16(s) => SlotBuf::F16(s.head_rows(heads, hd, n, capacity)?),
                     SlotBuf::I8(s) => SlotBuf::I8(s.head_rows(heads, hd, n, capacity)?),
                     SlotBuf::I4(s) => SlotBuf::I4(s.head_rows(heads, hd, n, capacity)?),
+                    SlotBuf::Dev(s) => SlotBuf::Dev(s.head_rows(self.shape, n, capacity).ok()??),
                 }),
             });
         }
-        Some(KvCache { kind: self.kind, shape: self.shape, capacity, window, slots, share: self.share })
+        let device = self.device.clone();
+        Some(KvCache { kind: self.kind, shape: self.shape, capacity, window, slots, share: self.share, device })
     }
 
     /// Positions every written slot holds from position 0 (0 when none was written or a window dropped some).
@@ -309,11 +340,15 @@ impl KvCache {
     }
 
     /// Move the K/V stored at position `from` to position `to` in every slot that holds it (tree compaction).
-    pub fn move_position(&mut self, from: usize, to: usize) {
+    pub fn move_position(&mut self, from: usize, to: usize) -> Result<()> {
         let (heads, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
         for slot in self.slots.iter_mut().flatten() {
-            each_slot!(slot, s => s.move_position(heads, hd, from, to));
+            match slot {
+                SlotBuf::Dev(s) => s.move_position(from, to)?,
+                host => each_host_slot!(host, s => s.move_position(heads, hd, from, to), device => ()),
+            }
         }
+        Ok(())
     }
 }
 

@@ -162,6 +162,11 @@ impl KvCache {
                         SlotBuf::F16(s) => s.encode(heads, hd, out),
                         SlotBuf::I8(s) => s.encode(heads, hd, out),
                         SlotBuf::I4(s) => s.encode(heads, hd, out),
+                        SlotBuf::Dev(s) => match s.to_host() {
+                            Ok(SlotBuf::F32(s)) => s.encode(heads, hd, out),
+                            Ok(SlotBuf::F16(s)) => s.encode(heads, hd, out),
+                            _ => out.extend_from_slice(&0u64.to_le_bytes()), // an empty slot: nothing reused
+                        },
                     }
                 }
             }
@@ -192,7 +197,7 @@ impl KvCache {
         if !r.bytes.is_empty() {
             return Err(Error::Internal(format!("KV snapshot has {} bytes past its end", r.bytes.len())));
         }
-        Ok(KvCache { kind, shape, capacity, window: 0, slots, share: None })
+        Ok(KvCache { kind, shape, capacity, window: 0, slots, share: None, device: None })
     }
 }
 
