@@ -972,6 +972,13 @@ impl Engine {
     }
 }
 
+/// The canonical name of device `name` ("cpu", "cuda:N" or "candle-cpu") once it is known usable: DeviceError for
+/// a build without its backend or a missing GPU or driver, InvalidRequestError for an unknown name.
+#[pyfunction]
+fn check_device(py: Python<'_>, name: &str) -> PyResult<String> {
+    py.detach(|| Compute::parse(name).map(|c| c.name())).map_err(to_py)
+}
+
 /// Return memory the allocator holds but no longer uses to the system (the server calls it when idle).
 #[pyfunction]
 fn release_memory(py: Python<'_>) {
@@ -1010,6 +1017,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(release_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(start_profile, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(stop_profile, m)?)?;

@@ -243,4 +243,4 @@ def test_the_server_still_serves_after_all_that(server, tiny_engine):
     want = tiny_engine.generate("still here", tinyloop.SamplingParams(temperature=0.0, max_tokens=5), loops=8)
     r = httpx.post(f"{server}/generate", json={"prompt": "still here", "max_tokens": 5}, timeout=30).json()
     assert r["tokens"] == want.tokens
-    assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok", "device": "cpu"}

@@ -172,7 +172,11 @@ def test_the_prompt_cache_reuses_device_kv(default_models):
     follow = first + turn.tokens + dev.encode(" and then")
     again = dev.generate(follow, greedy(8), loops=4)
     assert again.cached_tokens > 0
-    assert again.tokens == dev.generate(follow, greedy(8), loops=4).tokens == host.generate(follow, greedy(8), loops=4).tokens
+    assert (
+        again.tokens
+        == dev.generate(follow, greedy(8), loops=4).tokens
+        == host.generate(follow, greedy(8), loops=4).tokens
+    )
 
 
 def teacher_forced(engine, ids, loops):
@@ -224,7 +228,10 @@ def test_what_the_device_path_does_not_run_is_refused_by_name(engines, default_m
     with pytest.raises(tinyloop.InvalidRequestError, match="prompt_cache_disk"):
         tinyloop.Engine(default_models["F16"], device=DEVICE, prompt_cache_disk="/nonexistent")
     # The engine keeps serving after each refusal.
-    assert dev.generate([1, 2], greedy(4), loops=2).tokens == engines("F16", "cpu").generate([1, 2], greedy(4), loops=2).tokens
+    assert (
+        dev.generate([1, 2], greedy(4), loops=2).tokens
+        == engines("F16", "cpu").generate([1, 2], greedy(4), loops=2).tokens
+    )
 
 
 def test_unknown_devices_and_cuda_without_it_are_clear_errors():

@@ -44,7 +44,7 @@ def test_each_model_answers_by_its_name(models):
     root, want = models
     with running_server(root / "alpha.tinyloop", "--models-dir", str(root)) as base:
         assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["alpha", "beta", "gamma"]
-        assert httpx.get(f"{base}/health").json() == {"status": "ok", "resident": False}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu", "resident": False}
         for name in ("beta", "alpha", "gamma", "gamma", "beta"):
             r = complete(base, name)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[name], name

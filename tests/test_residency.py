@@ -33,11 +33,11 @@ def completion_text(base: str) -> str:
 def test_lazy_load_loads_on_demand_and_unload_frees_it(tiny, tiny_engine):
     want = tiny_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)).text
     with running_server(tiny.path, "--lazy-load") as base:
-        assert httpx.get(f"{base}/health").json() == {"status": "ok", "resident": False}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu", "resident": False}
         assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == [tiny.path.stem]
         assert resident_gauge(base) == 0  # probes, metrics and the model list do not load it
         assert completion_text(base) == want
-        assert httpx.get(f"{base}/health").json() == {"status": "ok", "resident": True}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu", "resident": True}
         assert resident_gauge(base) == 1
         r = httpx.post(f"{base}/v1/models/unload")
         assert r.json() == {"id": tiny.path.stem, "resident": False, "unloaded": True}
@@ -53,7 +53,7 @@ def test_idle_unload_after_the_given_seconds(tiny):
         deadline = time.monotonic() + 20  # health probes every 50 ms must not keep the model loaded
         while httpx.get(f"{base}/health").json()["resident"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert httpx.get(f"{base}/health").json() == {"status": "ok", "resident": False}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu", "resident": False}
         assert completion_text(base) == first
 
 
@@ -61,7 +61,7 @@ def test_a_static_model_cannot_be_unloaded(tiny):
     with running_server(tiny.path) as base:
         r = httpx.post(f"{base}/v1/models/unload")
         assert r.status_code == 409 and "--lazy-load" in r.json()["error"]["message"]
-        assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu"}
 
 
 def test_a_lazy_model_that_fails_to_load_answers_503_with_the_reason(tmp_path):

@@ -16,4 +16,4 @@ def test_generated_requests_never_get_a_server_error(tiny):
         assert report.failures == []
         assert len(report.statuses) >= 12 and report.cases >= 12 * 25
         assert sum(c[200] for c in report.statuses.values()) > 20  # valid requests really were generated and served
-        assert httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok"}
+        assert httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok", "device": "cpu"}

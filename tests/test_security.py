@@ -40,7 +40,7 @@ def test_several_keys_from_flags_and_a_file_guard_every_route_but_health(tiny, t
         str(keys),
         env={"TINYLOOP_API_KEY": "env-key"},
     ) as base:
-        assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu"}
         for method, path in GUARDED:
             for headers in (
                 {},

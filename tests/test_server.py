@@ -205,7 +205,9 @@ def test_api_v0_sections(server, tiny):
         "quant": "fp16",
         "kv_cache_mode": "fp16",
         "kv_share": "none",
+        "device": "cpu",
     }
+    assert r["runtime"]["device"] == "cpu"
     assert r["runtime"]["name"] == "tinyloop" and r["runtime"]["version"] == tinyloop.__version__
     # The server process runs at the best level (test servers get no TINYLOOP_ variables).
     assert r["runtime"]["isa"] in ("avx512+vnni", "avx512", "avx2", "scalar")
@@ -263,7 +265,7 @@ def test_health_answers_while_streaming(server):
         next(lines)
         for _ in range(5):
             t = time.perf_counter()
-            assert probe.get(f"{server}/health").json() == {"status": "ok"}
+            assert probe.get(f"{server}/health").json() == {"status": "ok", "device": "cpu"}
             latencies.append(time.perf_counter() - t)
         still_streaming = any(line.startswith("data: {") for line in lines)
     assert still_streaming

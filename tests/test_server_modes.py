@@ -11,7 +11,7 @@ from serverutil import running_server
 
 def test_api_key_guards_every_route_but_health(tiny):
     with running_server(tiny.path, "--api-key", "sekret") as base:
-        assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "device": "cpu"}
         bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong")
         with pytest.raises(openai.AuthenticationError) as e:
             bad.models.list()

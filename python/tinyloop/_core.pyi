@@ -37,6 +37,7 @@ __all__ = [
     "isa",
     "num_threads",
     "release_memory",
+    "check_device",
     "start_profile",
     "stop_profile",
 ]
@@ -62,6 +63,10 @@ def isa() -> str:
 
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
+
+def check_device(name: str) -> str:
+    """The canonical name of device `name` ("cpu", "cuda:N" or "candle-cpu") once it is known usable; DeviceError for
+    a build without its backend or a missing GPU or driver, InvalidRequestError for an unknown name."""
 
 def release_memory() -> None:
     """Return memory the allocator holds but no longer uses to the system (the server calls it when idle)."""

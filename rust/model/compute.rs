@@ -34,11 +34,10 @@ impl Compute {
 
     fn cuda(ordinal: usize) -> Result<Self> {
         if !cfg!(feature = "cuda") {
-            return Err(Error::Device(
-                "device \"cuda\": this build of tinyloop has no CUDA support; install the CUDA build \
+            return Err(Error::Device(format!(
+                "device \"cuda:{ordinal}\": this build of tinyloop has no CUDA support; install the CUDA build \
                  (docs/gpu.md) or use device \"cpu\""
-                    .into(),
-            ));
+            )));
         }
         Device::new_cuda(ordinal)
             .map(Self::Device)

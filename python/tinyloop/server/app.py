@@ -111,6 +111,7 @@ def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metr
         model_id=model_id,
         load_error=error,
         kv_cache_mode=cfg.kv_cache_mode(),
+        device=engine.info.device if engine is not None else cfg.device,
         commit=cfg.commit,
         max_tokens_limit=cfg.max_tokens_limit,
         started=int(time.time()),
@@ -205,8 +206,8 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
                 {"status": "error", "reason": f"Engine not loaded: {state.load_error}"}, status_code=503
             )
         if state.residency is not None:  # loaded on demand: say whether it is now
-            return {"status": "ok", "resident": state.engine is not None}
-        return {"status": "ok"}
+            return {"status": "ok", "device": state.device, "resident": state.engine is not None}
+        return {"status": "ok", "device": state.device}
 
     @app.post("/v1/models/unload")
     async def unload():

@@ -39,6 +39,8 @@ ENV_HELP = """environment variables:
                               lazy loading; health probes and metrics scrapes do not count)
   TINYLOOP_KV_SHARE           last: after the prompt, the loops share the last loop's KV (1/loops of the memory
                               per position; no speculative decoding, no prompt reuse); none (default): one per loop
+  TINYLOOP_DEVICE             where the model computes: cpu (default), cuda or cuda:N (the CUDA build, docs/gpu.md),
+                              candle-cpu (the GPU's code path on the host, for checking it without a GPU)
   TINYLOOP_NO_PROMPT_CACHE    1: do not reuse earlier requests' KV for prompts that start the same way
   TINYLOOP_PROMPT_CACHE_MIB, TINYLOOP_PROMPT_CACHE_ENTRIES
                               bounds of the in-memory prompt cache (default 256 MiB, 4 prefixes)
@@ -90,6 +92,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=KV_SHARE_MODES,
         default=None,
         help="last: loops share the last loop's KV after the prompt; else TINYLOOP_KV_SHARE, else none",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:N (the CUDA build) or candle-cpu; else TINYLOOP_DEVICE, else cpu",
     )
     p.add_argument(
         "--generate-config",
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
         ("TINYLOOP_KV_CACHE", args.kv_cache),
         ("TINYLOOP_KV_SHARE", args.kv_share),
+        ("TINYLOOP_DEVICE", args.device),
         ("TINYLOOP_GENERATE_CONFIG", args.generate_config),
         ("TINYLOOP_PROFILE_DIR", args.profile),
         ("TINYLOOP_MODELS_DIR", args.models_dir),
@@ -284,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         keys = api_keys(os.environ.get("TINYLOOP_API_KEY"), os.environ.get("TINYLOOP_API_KEY_FILE"))
     except OSError as e:
         log.error("cannot read the API key file: %s", e)
+        return 2
+    from tinyloop._core import TinyloopError, check_device  # the extension loads only once the flags are good
+
+    try:
+        check_device(os.environ.get("TINYLOOP_DEVICE") or "cpu")
+    except TinyloopError as e:
+        log.error("%s", e)
         return 2
     try:
         load_defaults(os.environ.get("TINYLOOP_GENERATE_CONFIG"))

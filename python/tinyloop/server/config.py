@@ -44,6 +44,7 @@ class ServerConfig:
     lazy_load: bool = False  # load the model on the first request that needs it (residency.py)
     idle_unload_seconds: float = 0.0  # unload it after this long without a request (0: never); implies lazy_load
     kv_share: str = "none"  # "last": after the prompt, loops share the last loop's KV (prompt reuse is then off)
+    device: str = "cpu"  # where the model computes: "cpu", "cuda", "cuda:N" (the CUDA build), "candle-cpu"
     prompt_cache: bool = True  # reuse finished sequences' KV for prompts that start the same way (prefix reuse)
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES
@@ -75,6 +76,7 @@ class ServerConfig:
             lazy_load=_flag("TINYLOOP_LAZY_LOAD"),
             idle_unload_seconds=float(env.get("TINYLOOP_IDLE_UNLOAD_SECONDS") or 0.0),
             kv_share=env.get("TINYLOOP_KV_SHARE") or "none",
+            device=env.get("TINYLOOP_DEVICE") or "cpu",
             prompt_cache=not _flag("TINYLOOP_NO_PROMPT_CACHE"),
             prompt_cache_mib=int(env.get("TINYLOOP_PROMPT_CACHE_MIB") or DEFAULT_PROMPT_CACHE_MIB),
             prompt_cache_entries=int(env.get("TINYLOOP_PROMPT_CACHE_ENTRIES") or DEFAULT_PROMPT_CACHE_ENTRIES),
@@ -89,6 +91,7 @@ class ServerConfig:
             "max_seq_len": self.max_seq_len,
             "kv_cache_mode": self.kv_cache_mode(),
             "kv_share": self.kv_share,
+            "device": self.device,
             "prompt_cache_mib": self.prompt_cache_mib if on else 0,
             "prompt_cache_entries": self.prompt_cache_entries if on else 0,
             "prompt_cache_disk": self.prompt_cache_disk if on else None,

@@ -29,6 +29,7 @@ class ServerState:
     kv_cache_mode: str
     commit: str | None
     max_tokens_limit: int = MAX_TOKENS_LIMIT
+    device: str = "cpu"  # where the model computes (`--device`): "cpu", "cuda:N", "candle-cpu"
     # `--generate-config`: defaults for the sampling fields and loops a request does not send (defaults.py).
     generate_defaults: dict[str, Any] = field(default_factory=dict)
     profiler: Any = None  # `--profile DIR`: a profiling.Profiler, else None (the routes are not mounted)
@@ -71,10 +72,11 @@ class ServerState:
             "quant": i.quant,
             "kv_cache_mode": self.kv_cache_mode,
             "kv_share": i.kv_share,
+            "device": i.device,
         }
 
     def runtime(self) -> dict[str, Any]:
-        return {"name": "tinyloop", "version": __version__, "commit": self.commit, "isa": isa()}
+        return {"name": "tinyloop", "version": __version__, "commit": self.commit, "isa": isa(), "device": self.device}
 
     def models(self) -> dict[str, Any]:
         """The model list (`/v1/models`, `/api/v0/models`): the `--models-dir` catalog, or the one model."""
