@@ -51,8 +51,8 @@ def agreed(host, prompt: list[int], got: list[int], tol: float, **kw) -> None:
     a near-tie: where the CPU engine's top two tokens (its own log-probabilities while generating) are within `2·tol`
     and the device chose the second."""
     want = host.generate(prompt, greedy(len(got), logprobs=2), **kw)
-    first = next((i for i, (a, b) in enumerate(zip(want.tokens, got)) if a != b), None)
     assert len(got) == len(want.tokens)
+    first = next((i for i, (a, b) in enumerate(zip(want.tokens, got, strict=True)) if a != b), None)
     if first is not None:
         top = want.logprobs[first][1]
         assert top[0][1] - top[1][1] <= 2 * tol, f"token {first} differs, host top two {top}, device {got[first]}"
@@ -110,7 +110,9 @@ def test_default_model_chunked_prefill_matches(engines, weight):
 def test_default_model_batched_requests_of_different_lengths_and_depths(engines, weight):
     host, dev = engines(weight, "cpu"), engines(weight, DEVICE)
     rng = random.Random(3)
-    cases = [(host.encode(t * rng.randint(1, 4)), loops) for t, loops in zip(PROMPTS * 2, [1, 3, 8, 5, 2, 8])]
+    cases = [
+        (host.encode(t * rng.randint(1, 4)), loops) for t, loops in zip(PROMPTS * 2, [1, 3, 8, 5, 2, 8], strict=True)
+    ]
     streams = [dev.stream(p, greedy(16), loops=loops) for p, loops in cases]
     got: list[list[int]] = [[] for _ in cases]
     for _ in range(200):
@@ -121,7 +123,7 @@ def test_default_model_batched_requests_of_different_lengths_and_depths(engines,
             assert not isinstance(e, Exception), e
             if e is not None and e.token_id >= 0:
                 got[i].append(e.token_id)
-    for (prompt, loops), g in zip(cases, got):
+    for (prompt, loops), g in zip(cases, got, strict=True):
         agreed(host, prompt, g, TOLERANCE[weight], loops=loops)
         assert g == dev.generate(prompt, greedy(16), loops=loops).tokens, "batched rows differ from solo ones"
 
@@ -192,11 +194,11 @@ def test_random_models_logits_within_tolerance(model_factory, shape, weight, loo
     tol = TOLERANCE[weight]
     ids = [random.Random(loops).randrange(50257) for _ in range(48)]
     want, got = teacher_forced(host, ids, loops), teacher_forced(dev, ids, loops)
-    for i, ((lp_h, top_h), (lp_d, top_d)) in enumerate(zip(want, got)):
+    for i, ((lp_h, top_h), (lp_d, top_d)) in enumerate(zip(want, got, strict=True)):
         assert close(lp_h, lp_d, tol), (i, lp_h, lp_d)
         if top_h[0][1] - top_h[1][1] > 2 * tol:
             assert top_d[0][0] == top_h[0][0], (i, top_h, top_d)
-        for (tok_h, v_h), (tok_d, v_d) in zip(top_h, top_d):
+        for (tok_h, v_h), (tok_d, v_d) in zip(top_h, top_d, strict=True):
             assert tok_h != tok_d or close(v_h, v_d, tol)
 
 

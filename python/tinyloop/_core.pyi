@@ -5,6 +5,7 @@ from os import PathLike
 from typing import Literal, Self, final
 
 __all__ = [
+    "DEVICE_NAMES",
     "MAX_BRANCHES",
     "MAX_CACHE_WINDOW",
     "MAX_DRAFT_AHEAD",
@@ -18,6 +19,7 @@ __all__ = [
     "AutoDepth",
     "Completion",
     "ContextLengthError",
+    "DeviceError",
     "Engine",
     "EngineError",
     "Generation",
@@ -34,10 +36,10 @@ __all__ = [
     "TokenizerError",
     "__commit__",
     "__version__",
+    "check_device",
     "isa",
     "num_threads",
     "release_memory",
-    "check_device",
     "start_profile",
     "stop_profile",
 ]
