@@ -414,7 +414,7 @@ fn allowed(dtype: GgmlDType, rank: usize) -> bool {
     use GgmlDType::*;
     match rank {
         1 => matches!(dtype, F32 | F16),
-        _ => matches!(dtype, F32 | F16 | Q8_0 | Q4_0 | Q4_1 | Q2K),
+        _ => matches!(dtype, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q2K),
     }
 }
 

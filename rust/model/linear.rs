@@ -79,6 +79,11 @@ impl Linear {
             // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
             // with (from 5 rows on), which would let batch-mates change a request's output.
             GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
+            // BF16 widens to f32 exactly; the CPU has no bf16 kernel of its own (a device reads it as bf16).
+            GgmlDType::BF16 => {
+                let wide = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::F32)?;
+                Self::Own(Arc::new(DenseMatrix::<f32>::new(&wide)?))
+            }
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             GgmlDType::Q4_0 if Body::best().is_some() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
             // With VNNI, Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours);

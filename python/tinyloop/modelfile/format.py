@@ -22,13 +22,14 @@ ARCH = "tinyloop"
 WEIGHT_TYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
     "F16": gguf.GGMLQuantizationType.F16,
+    "BF16": gguf.GGMLQuantizationType.BF16,
     "Q8_0": gguf.GGMLQuantizationType.Q8_0,
     "Q4_0": gguf.GGMLQuantizationType.Q4_0,
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
     "Q2_K": gguf.GGMLQuantizationType.Q2_K,
 }
 # general.file_type (llama.cpp's LlamaFileType) for a file whose matrices are mostly of one type.
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q2_K": 10}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q2_K": 10, "BF16": 32}
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_NORMS = ("attn_norm", "ffn_norm")
 
