@@ -33,7 +33,6 @@ def models(tmp: Path, quick: bool) -> dict[str, Path]:
     (dim 2048, 16 heads, ffn 8192, k 4; `--quick`: the benches' small shape) in BF16 and Q4_0, written from seed 0,
     so both machines build the same bytes (each file's SHA-256 is recorded)."""
     from quant_models import DEFAULT
-
     from tinyloop.modelfile.format import random_weights, write_model
     from tinyloop.modelfile.quantize import Options, quantize_file
 
@@ -109,7 +108,8 @@ def agreement(want: dict, got: dict) -> dict:
     """Per mode: sequences identical, and each differing sequence's first differing token."""
     report = {}
     for mode, seqs in want["sequences"].items():
-        firsts = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None) for w, g in zip(seqs, got[mode])]
+        pairs = zip(seqs, got[mode], strict=True)
+        firsts = [next((i for i, (a, b) in enumerate(zip(w, g, strict=False)) if a != b), None) for w, g in pairs]
         report[mode] = {"identical": sum(f is None for f in firsts), "of": len(seqs), "first_difference": firsts}
     report["cpu_margin_at_difference"] = [
         want["margins"][i][f] if f is not None else None for i, f in enumerate(report["plain"]["first_difference"])
@@ -192,7 +192,8 @@ def peer(torch, device: str, quick: bool, n: int) -> float:
     }
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}  # fmt: skip
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}  # fmt: skip
     for i, layer in enumerate(model.model.layers):
         for ours, theirs in names.items():
             mod = layer.get_submodule(theirs)
