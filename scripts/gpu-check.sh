@@ -16,7 +16,7 @@ root=$(TINYLOOP_CUDA=13.0 scripts/cuda-root.sh --link "${TINYLOOP_CUDA_LINK_ROOT
 export CUDA_ROOT=$root CUDA_PATH=$root CUDA_HOME=$root PATH=$root/bin:$PATH CUDA_COMPUTE_CAP=90
 export CUDARC_CUDA_VERSION=13000 CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export LIBRARY_PATH=$root/lib:$root/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
-CARGO_TARGET_DIR=target/cuda-13.0 maturin build --release --features cuda,python -o target/cuda-13.0/wheels
+CARGO_TARGET_DIR=target/cuda-13.0 maturin build --release --features cuda,python --auditwheel skip -o target/cuda-13.0/wheels
 wheel=$(ls -t target/cuda-13.0/wheels/tinyloop-*.whl | head -n 1)
 # Only the extension travels: the working tree already holds the Python package and the default model.
 unzip -qjo "$wheel" 'tinyloop/_core*.so' -d "$carry"
