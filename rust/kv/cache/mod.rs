@@ -22,11 +22,14 @@ use crate::kernels::AttnShape;
 use crate::kv::attend::{attend, Ctx, RowLayout, SlotView};
 use crate::kv::elem::{hadamard, KvElem, Nibbles};
 use crate::limits::WINDOW_SLACK;
+use stride::next_stride;
 
+mod dev_slot;
 mod device;
 mod fill;
 mod share;
 mod snapshot;
+mod stride;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKind {
@@ -73,9 +76,6 @@ struct Slot<T: KvElem> {
     stride: usize,
 }
 
-/// Positions a slot allocates per head at first.
-const FIRST_STRIDE: usize = 64;
-
 impl<T: KvElem> Slot<T> {
     fn new() -> Self {
         Self { k: Vec::new(), v: Vec::new(), k_meta: Vec::new(), v_meta: Vec::new(), base: 0, len: 0, stride: 0 }
@@ -87,7 +87,7 @@ impl<T: KvElem> Slot<T> {
         if need <= self.stride {
             return;
         }
-        let stride = need.max(2 * self.stride).max(FIRST_STRIDE).min(cap.max(need));
+        let stride = next_stride(self.stride, need, cap);
         let (w, held) = (hd / T::PACK, self.len - self.base);
         let regrow = |old: &[T], old_stride: usize| {
             let mut new = vec![T::default(); heads * stride * w];
@@ -115,7 +115,7 @@ enum SlotBuf {
     I8(Slot<i8>),
     I4(Slot<Nibbles>),
     /// In device memory (`device.rs`).
-    Dev(device::DevSlot),
+    Dev(dev_slot::DevSlot),
 }
 
 impl SlotBuf {

@@ -162,7 +162,7 @@ impl KvCache {
                         SlotBuf::F16(s) => s.encode(heads, hd, out),
                         SlotBuf::I8(s) => s.encode(heads, hd, out),
                         SlotBuf::I4(s) => s.encode(heads, hd, out),
-                        SlotBuf::Dev(s) => match s.to_host() {
+                        SlotBuf::Dev(s) => match super::device::to_host(s) {
                             Ok(SlotBuf::F32(s)) => s.encode(heads, hd, out),
                             Ok(SlotBuf::F16(s)) => s.encode(heads, hd, out),
                             _ => out.extend_from_slice(&0u64.to_le_bytes()), // an empty slot: nothing reused
