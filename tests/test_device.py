@@ -23,6 +23,7 @@ The tolerances:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import random
 
@@ -215,6 +216,30 @@ def test_random_model_generation_agrees_up_to_near_ties(model_factory, weight):
         prompt = [rng.randrange(50257) for _ in range(rng.randint(2, 20))]
         agreed(host, prompt, dev.generate(prompt, greedy(20), loops=3).tokens, tol, loops=3)
         agreed(host, prompt, dev.generate(prompt, greedy(20), loops=3, draft=(1, 3)).tokens, tol, loops=3)
+
+
+OURO = dataclasses.replace(TINY, post_norms=True, loop_norm=True, exit_gate=True, name="tiny-ouro")
+QWEN = dataclasses.replace(TINY_NOPRE, attn_bias=True, name="tiny-bias")
+
+
+@pytest.mark.parametrize("shape", [OURO, QWEN], ids=["ouro-layers", "qkv-bias"])
+def test_converted_layer_kinds_match(model_factory, shape):
+    """Ouro's sandwich norms, its normed recurrence and exit gate (which then drives `loops: "auto"`), and Qwen2's
+    Q/K/V biases, on the device: the same log-probabilities, and under the gate the same exits."""
+    model = model_factory(shape, weight_type="F32", seed=7)
+    host, dev = tinyloop.Engine(model.path), tinyloop.Engine(model.path, device=DEVICE)
+    ids = [random.Random(2).randrange(50257) for _ in range(32)]
+    for loops in (1, 3, 8):
+        for (lp_h, _), (lp_d, _) in zip(teacher_forced(host, ids, loops), teacher_forced(dev, ids, loops), strict=True):
+            assert close(lp_h, lp_d, TOLERANCE["F32"]), (loops, lp_h, lp_d)
+    if shape.exit_gate:
+        assert dev.exit_rule == "gate"
+        rule = tinyloop.AutoDepth(min_loops=1, threshold=0.9)  # tokens stop after different numbers of loops
+        want = host.generate(ids[:5], greedy(16), loops=rule)
+        got = dev.generate(ids[:5], greedy(16), loops=rule)
+        agreed(host, ids[:5], got.tokens, TOLERANCE["F32"], loops=rule)
+        assert got.auto_loops == want.auto_loops
+        assert want.auto_loops[0] < want.auto_loops[1] < 3 * want.auto_loops[0], want.auto_loops
 
 
 def test_what_the_device_path_does_not_run_is_refused_by_name(engines, default_models):

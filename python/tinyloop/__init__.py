@@ -4,6 +4,16 @@
 `tinyloop._core`; see `docs/engine.md` for the Python API.
 """
 
+try:
+    from . import _core  # noqa: F401
+except ImportError as e:  # the CUDA build (docs/gpu.md), where the driver's or the CUDA runtime's libraries are missing
+    if "libcu" not in str(e) and "libnvrtc" not in str(e):
+        raise
+    raise ImportError(
+        "this is tinyloop's CUDA build: it needs the NVIDIA driver (libcuda.so.1) and the CUDA 13 runtime, cuBLAS, "
+        f"cuRAND and NVRTC libraries on the library path (docs/gpu.md): {e}"
+    ) from e
+
 from ._core import (
     MAX_BRANCHES,
     MAX_CACHE_WINDOW,
@@ -34,6 +44,7 @@ from ._core import (
     TokenizerError,
     TokenStream,
     __version__,
+    check_device,
     start_profile,
     stop_profile,
 )
@@ -68,6 +79,7 @@ __all__ = [
     "TokenStream",
     "TokenizerError",
     "__version__",
+    "check_device",
     "start_profile",
     "stop_profile",
 ]

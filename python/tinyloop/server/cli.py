@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         log.error("cannot read the API key file: %s", e)
         return 2
-    from tinyloop._core import TinyloopError, check_device  # the extension loads only once the flags are good
+    from tinyloop import TinyloopError, check_device
 
     try:
         check_device(os.environ.get("TINYLOOP_DEVICE") or "cpu")
