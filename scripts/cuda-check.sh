@@ -4,11 +4,12 @@
 # wheels (scripts/cuda-root.sh), kept in TINYLOOP_CUDA_ROOT_CACHE (default ~/.cache/tinyloop-cuda, 340 MB).
 # Nothing is linked or run. Fails when the Rust code, or candle's CUDA kernels under this toolkit, do not compile.
 # Arguments: the feature sets to check, one cargo check each (default: cuda cuda,python).
-# Cost on 2 cores: the root ~5 s (0 s once cached); each feature set ~6-7 min the first time, nearly all of it
-# candle-kernels compiling its PTX. The two sets do not share that build: python's proc macros turn on syn's
-# "full" feature, which changes the hash of candle-kernels' build script (its build-deps use syn through
-# serde_derive). The build stays in TINYLOOP_CUDA_TARGET_DIR (default target/cuda, 0.6 GB), apart from the
-# normal target dir, and a rerun with it warm takes seconds.
+# Cost on 2 cores: the root ~5 s (0 s once cached); each feature set 4-8 min the first time (12 min for both
+# while other builds shared the cores), nearly all of it candle-kernels compiling its PTX. The two sets do not
+# share that build: python's proc macros turn on syn's "full" feature, which changes the hash of
+# candle-kernels' build script (its build-deps use syn through serde_derive). The build stays in
+# TINYLOOP_CUDA_TARGET_DIR (default target/cuda, 0.6 GB), apart from the normal target dir; a rerun with it
+# warm takes ~10 s. A later `cargo build` of the same features and target dir reuses the PTX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || set -- cuda cuda,python

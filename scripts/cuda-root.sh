@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Lays out a CUDA 13.4 toolkit root in DIR from NVIDIA's PyPI wheels — no CUDA installer, no GPU, no driver —
+# Lays out a CUDA 13 toolkit root (13.4, or 13.0: TINYLOOP_CUDA, below) in DIR from NVIDIA's PyPI wheels — no CUDA installer, no GPU, no driver —
 # and prints the root's path on the last line of stdout. Every wheel unpacks under nvidia/cu13, so unzipping
 # them into one folder merges them into one root.
 #   scripts/cuda-root.sh DIR          nvcc and headers: enough for `cargo check --features cuda`
-#                                     (candle-kernels compiles its PTX with nvcc). ~1.1 GB download of 130 MB.
+#                                     (candle-kernels compiles its PTX with nvcc): 130 MB of wheels, 340 MB on disk.
 #   scripts/cuda-root.sh --link DIR   adds what a `--features cuda` build links against: cuBLAS, cuRAND, NVRTC
-#                                     with their unversioned .so names, and a stub libcuda.so. ~1.6 GB on disk.
+#                                     with their unversioned .so names, and a stub libcuda.so: 730 MB more, 1.2 GB in all.
 # A DIR that already holds a complete root of these versions is reused as it is.
 set -euo pipefail
 link=0
