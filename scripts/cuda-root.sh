@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lays out a CUDA 13 toolkit root (13.4, or 13.0: TINYLOOP_CUDA, below) in DIR from NVIDIA's PyPI wheels — no
-# CUDA installer, no GPU, no driver — and prints the root's path on the last line of stdout. Every wheel unpacks under nvidia/cu13, so unzipping
-# them into one folder merges them into one root.
+# CUDA installer, no GPU, no driver — and prints the root's path on the last line of stdout. Every wheel unpacks
+# under nvidia/cu13, so unzipping them into one folder merges them into one root.
 #   scripts/cuda-root.sh DIR          nvcc and headers: enough for `cargo check --features cuda`
 #                                     (candle-kernels compiles its PTX with nvcc): 130 MB of wheels, 340 MB on disk.
 #   scripts/cuda-root.sh --link DIR   adds what a `--features cuda` build links against: cuBLAS, cuRAND, NVRTC
