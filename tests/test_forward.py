@@ -60,7 +60,7 @@ def test_f32_matches_numpy_reference(model_factory, name, loops):
 # - Q8_0: on AVX-512 machines candle repacks Q8_0 weights and quantizes activations per 256 values (Q8_K), on others
 #   per 32 (Q8_0), so no single activation model is exact here; both are within 1.4e-2 of the float-activation
 #   reference on these random models, hence 2.5e-2.
-QUANT_CASES = {"F16": (1e-4, False), "Q4_0": (1e-2, True), "Q8_0": (2.5e-2, False)}
+QUANT_CASES = {"F16": (1e-4, False), "BF16": (1e-4, False), "Q4_0": (1e-2, True), "Q8_0": (2.5e-2, False)}
 
 
 @pytest.mark.parametrize("weight_type", QUANT_CASES)
