@@ -224,9 +224,19 @@ def device(args) -> None:
     out: dict = {"device": args.device, "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     if torch_device == "cuda":
         out["name"] = torch.cuda.get_device_name(0)
-    out["copy_bandwidth"] = copy_bandwidth(torch, torch_device)
     n, prefill = (8, 32) if args.quick else (64, 512)
+
+    def save() -> None:  # after every part, so that a run cut short still reports what it measured
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+    out["copy_bandwidth"] = copy_bandwidth(torch, torch_device)
+    save()
+    # The peer first: every tinyloop figure of the seed-shaped model is read against it.
+    out["transformers"] = {"seed": {"decode_1": peer(torch, torch_device, args.quick, n)}}
+    if torch_device == "cuda":
+        torch.cuda.empty_cache()  # its weights and static cache, before tinyloop allocates its own
     out["models"] = {}
+    save()
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in models(Path(tmp), args.quick).items():
             if time.monotonic() > deadline:
@@ -240,11 +250,9 @@ def device(args) -> None:
                 entry["agreement"] = agreement(ref, sequences(engine, want["tokens"]))
             entry["tinyloop"] = speed(engine, n, prefill)
             out["models"][name] = entry
+            save()
             print(f"{name}: {json.dumps(entry)}", file=sys.stderr)
             del engine
-    if time.monotonic() < deadline:
-        out["transformers"] = {"seed BF16": {"decode_1": peer(torch, torch_device, args.quick, n)}}
-    Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 def main() -> None:

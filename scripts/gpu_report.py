@@ -23,7 +23,7 @@ def tables(r: dict) -> str:
         f"Device: {r.get('name', r['device'])} (torch {r['torch']}, CUDA {r['torch_cuda']}); measured copy "
         f"bandwidth {bw / 1e9:,.0f} GB/s.",
         "",
-        "| model | mode | tinyloop tok/s | transformers tok/s | ratio | % of bandwidth bound |",
+        "| model | mode | tinyloop tok/s | transformers (bf16) tok/s | ratio | % of bandwidth bound |",
         "|---|---|---|---|---|---|",
     ]
     for name, m in r["models"].items():
@@ -31,7 +31,7 @@ def tables(r: dict) -> str:
             lines.append(f"| {name} | {m.get('skipped', 'not run')} | | | | |")
             continue
         bound = bw / m["bytes_per_token"]
-        peer = r.get("transformers", {}).get(name, {})
+        peer = r.get("transformers", {}).get(name.split()[0], {})  # the bf16 peer of that shape, for every type
         for key, label in MODES:
             ours = m["tinyloop"][key]
             theirs = peer.get(key)
