@@ -124,13 +124,15 @@ def timed(f) -> float:
 
 
 def speed(engine, n: int, prefill: int) -> dict:
-    """tokens/s: one stream's decode, 16 streams', a `prefill`-token prompt's, one self-speculative stream's."""
+    """tokens/s: one stream's decode, 16 streams', a `prefill`-token prompt's (at most the context allows), one
+    self-speculative stream's."""
     prompt = engine.encode(PROMPTS[0])
     engine.generate(prompt, greedy(4), loops=8)  # warm-up: kernels loaded, buffers allocated
     one = timed(lambda: engine.generate(prompt, greedy(n), loops=8)) - timed(
         lambda: engine.generate(prompt, greedy(1), loops=8)
     )
     many = timed(lambda: batched(engine, [prompt] * 16, [8] * 16, n))
+    prefill = min(prefill, engine.info.max_seq_len - 1)  # the default model's context is 512: 511 then
     long = (engine.encode(" ".join(PROMPTS)) * prefill)[:prefill]
     pre = timed(lambda: engine.generate(long, greedy(1), loops=8))
     spec = timed(lambda: engine.generate(prompt, greedy(n), loops=8, draft=DRAFT))
@@ -138,6 +140,7 @@ def speed(engine, n: int, prefill: int) -> dict:
         "decode_1": (n - 1) / one,
         "decode_16": 16 * n / many,
         "prefill": prefill / pre,
+        "prefill_tokens": prefill,
         "speculative_1": n / spec,
     }
 

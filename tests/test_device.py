@@ -253,6 +253,8 @@ def test_what_the_device_path_does_not_run_is_refused_by_name(engines, default_m
     for mode in ("int8", "int4", "int4-h"):
         with pytest.raises(tinyloop.InvalidRequestError, match=f'KV cache mode "{mode}".*candle-cpu'):
             tinyloop.Engine(default_models["F16"], device=DEVICE, kv_cache_mode=mode)
+    with pytest.raises(tinyloop.InvalidRequestError, match=r"max_seq_len 5000 beyond.*context_length"):
+        tinyloop.Engine(default_models["F16"], device=DEVICE, max_seq_len=5000)
     with pytest.raises(tinyloop.InvalidRequestError, match="prompt_cache_disk"):
         tinyloop.Engine(default_models["F16"], device=DEVICE, prompt_cache_disk="/nonexistent")
     # The engine keeps serving after each refusal.

@@ -99,6 +99,12 @@ impl Engine {
         })?);
         let max_seq_len = max_seq_len.unwrap_or(config.context_length);
         ensure_arg!(max_seq_len >= 1, "max_seq_len must be >= 1");
+        ensure_arg!(
+            max_seq_len <= config.context_length || !compute.on_device(),
+            "max_seq_len {max_seq_len} beyond the model's context_length {} is not available on device {:?} yet",
+            config.context_length,
+            compute.name()
+        );
         let mut model = Model::on(config, tensors, head_rows, compute)?;
         let kind = kv_kind_for_mode(kv_cache_mode, model.kv_kind(), model.cfg.head_dim)?;
         model.set_kv_kind(kind);

@@ -51,6 +51,9 @@ impl Rope {
     pub(super) fn rotate(&self, x: &Tensor, heads: usize, positions: &[u32]) -> candle_core::Result<Tensor> {
         let Some((cos, sin)) = &self.device_tables else { candle_core::bail!("RoPE has no device tables") };
         let (n, half) = (positions.len(), self.head_dim / 2);
+        if let Some(&p) = positions.iter().max().filter(|&&p| p as usize >= cos.dim(0).unwrap_or(0)) {
+            candle_core::bail!("position {p} is past the device's RoPE table ({} positions)", cos.dim(0)?)
+        }
         let at = Tensor::from_slice(positions, n, cos.device())?;
         let (c, s) =
             (cos.index_select(&at, 0)?.reshape((n, 1, half))?, sin.index_select(&at, 0)?.reshape((n, 1, half))?);
