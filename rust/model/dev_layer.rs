@@ -113,8 +113,7 @@ impl DevLayer {
         profile::time(Stage::Attention, || {
             let positions: Vec<u32> =
                 seqs.iter().flat_map(|s| (s.pos..s.pos + s.tokens.len()).map(|p| p as u32)).collect();
-            let q = rope.rotate(&q, cfg.n_heads, &positions)?;
-            let k = rope.rotate(&k, cfg.n_kv_heads, &positions)?;
+            let (q, k) = rope.rotate((&q, cfg.n_heads), (&k, cfg.n_kv_heads), &positions)?;
             let mut outs = Vec::with_capacity(seqs.len());
             let mut row = 0;
             for s in seqs.iter_mut() {

@@ -46,19 +46,27 @@ impl Rope {
         Ok(self)
     }
 
-    /// `apply` on the device: `x (n, heads·head_dim)`, row r rotated for `positions[r]`, through candle-nn's
-    /// interleaved-pair RoPE kernel with one (cos, sin) row per input row.
-    pub(super) fn rotate(&self, x: &Tensor, heads: usize, positions: &[u32]) -> candle_core::Result<Tensor> {
+    /// `apply` on the device to Q `(n, q_heads·head_dim)` and K `(n, k_heads·head_dim)`, row r rotated for
+    /// `positions[r]`, through candle-nn's interleaved-pair RoPE kernel; one lookup of the rows' (cos, sin) serves
+    /// both.
+    pub(super) fn rotate(
+        &self,
+        (q, q_heads): (&Tensor, usize),
+        (k, k_heads): (&Tensor, usize),
+        positions: &[u32],
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let Some((cos, sin)) = &self.device_tables else { candle_core::bail!("RoPE has no device tables") };
-        let (n, half) = (positions.len(), self.head_dim / 2);
+        let (n, half, hd) = (positions.len(), self.head_dim / 2, self.head_dim);
         if let Some(&p) = positions.iter().max().filter(|&&p| p as usize >= cos.dim(0).unwrap_or(0)) {
             candle_core::bail!("position {p} is past the device's RoPE table ({} positions)", cos.dim(0)?)
         }
         let at = Tensor::from_slice(positions, n, cos.device())?;
         let (c, s) =
             (cos.index_select(&at, 0)?.reshape((n, 1, half))?, sin.index_select(&at, 0)?.reshape((n, 1, half))?);
-        let x = x.reshape((n, heads, 1, self.head_dim))?;
-        candle_nn::rotary_emb::rope_i(&x, &c, &s)?.reshape((n, heads * self.head_dim))
+        let turn = |x: &Tensor, heads: usize| {
+            candle_nn::rotary_emb::rope_i(&x.reshape((n, heads, 1, hd))?, &c, &s)?.reshape((n, heads * hd))
+        };
+        Ok((turn(q, q_heads)?, turn(k, k_heads)?))
     }
 
     /// Rotate adjacent pairs (x[2i], x[2i+1]) of every head by pos·θ_i, row r at `positions[r]`.
