@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from tinyloop.extras import require_or_exit
+
+try:
+    import torch
+except ModuleNotFoundError:
+    require_or_exit("train", "training", "torch")  # one line naming the extra, exit 2
+    raise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import LoopedLM, TrainConfig, file_config

@@ -26,8 +26,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+from tinyloop.extras import require_or_exit
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ModuleNotFoundError:
+    require_or_exit("train", "training", "torch")  # one line naming the extra, exit 2
+    raise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import TENSOR_PARTS, LoopedLM, TrainConfig, kv_drift

@@ -13,6 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from ..extras import require_or_exit
+
 DEPTHS = [1, 2, 3, 4, 6, 8, 12, 16]
 REFERENCE_DEPTH = 8
 
@@ -93,6 +95,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    if args.plot:
+        require_or_exit("train", "--plot", "matplotlib")
     from .. import Engine
 
     engine = Engine(args.model)
