@@ -143,7 +143,7 @@ def test_errors_have_anthropics_shape(client, server):
     r = httpx.post(
         f"{server}/v1/messages", json={"model": "m", "messages": HELLO}, timeout=10
     )  # max_tokens is required
-    assert r.status_code == 422 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/messages", content=b"{", headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 400 and r.json()["type"] == "error"
 

@@ -244,3 +244,102 @@ def test_the_server_still_serves_after_all_that(server, tiny_engine):
     r = httpx.post(f"{server}/generate", json={"prompt": "still here", "max_tokens": 5}, timeout=30).json()
     assert r["tokens"] == want.tokens
     assert httpx.get(f"{server}/health", timeout=5).json() == {"status": "ok", "device": "cpu"}
+
+
+# Anthropic's Messages routes answer the same bad input in Anthropic's statuses and shape: 400 invalid_request_error
+# for every request the schema or a range refuses (where the OpenAI families say 400 or 422).
+MESSAGES = {
+    "max_tokens": (1, 8192),
+    "temperature": (0.0, 1.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 1000),
+    "loops": (1, 64),
+    "draft_loops": (1, 32),
+    "draft_ahead": (1, 16),
+}
+MESSAGES_BASE = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str, names: str | None = None) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == kind and body["error"]["message"], body
+    if names is not None:
+        assert names in body["error"]["message"], body
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("field,lo,hi", [(f, lo, hi) for f, (lo, hi) in MESSAGES.items()])
+def test_messages_numeric_fields_in_anthropics_statuses(server, field, lo, hi):
+    base = {**MESSAGES_BASE, "loops": 64} if field == "draft_loops" else MESSAGES_BASE  # drafts below the depth
+    for at in (lo, hi):
+        r = post(server, "/v1/messages", {**base, field: at})
+        # At a bound the request is valid; it may still be too long for this model's 256-token context.
+        assert r.status_code == 200 or "maximum sequence length" in r.text, (at, r.text)
+    wrong = [_past(lo, -1), _past(hi, 1), "8", "", True, [1], {"v": 1}, float("nan"), float("inf")]
+    if field not in ("temperature", "top_p"):
+        wrong += [1.5, 8.0, 2**64]
+    for value in wrong:
+        assert_anthropic_error(
+            post(server, "/v1/messages", {**MESSAGES_BASE, field: value}), 400, "invalid_request_error", field
+        )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "max_tokens": 2, "messages": [',
+        b"",
+        b"[]",
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',  # no max_tokens
+        b'{"model": "m", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]}',
+        b'{"model": "m", "max_tokens": 2, "messages": []}',
+        b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "\xff"}]}',
+        b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "bogus": 1}',
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_messages_bodies_that_are_not_valid_requests(server, path, body):
+    if path.endswith("count_tokens") and b"max_tokens" not in body and b'"user"' in body:
+        body = body.replace(b"{", b'{"max_tokens": "2", ', 1)  # counting needs no max_tokens: give it a bad one
+    assert_anthropic_error(post(server, path, body), 400, "invalid_request_error")
+
+
+def test_messages_transport_errors_in_anthropics_statuses(server, tiny):
+    r = httpx.post(f"{server}/v1/messages", content=b"x=1", headers={"content-type": "text/plain"}, timeout=10)
+    assert_anthropic_error(r, 400, "invalid_request_error", "text/plain")
+    assert_anthropic_error(httpx.post(f"{server}/v1/messages/nothing", json={}, timeout=5), 404, "not_found_error")
+    with running_server(tiny.path, "--max-body-bytes", "1000", "--api-key", "k") as base:
+        big = {**MESSAGES_BASE, "system": "x" * 2000}
+        r = httpx.post(f"{base}/v1/messages", json=big, headers={"x-api-key": "k"}, timeout=10)
+        assert_anthropic_error(r, 413, "request_too_large", "1000 bytes")
+        r = httpx.post(f"{base}/v1/messages", json=MESSAGES_BASE, headers={"x-api-key": "no"}, timeout=10)
+        assert_anthropic_error(r, 401, "authentication_error")
+        ok = httpx.post(f"{base}/v1/messages", json=MESSAGES_BASE, headers={"x-api-key": "k"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
+def test_a_full_server_is_529_overloaded_on_messages(tiny):
+    """A server that can take no more requests: 503 + Retry-After on the OpenAI routes, Anthropic's 529
+    `overloaded_error` on the Messages routes (the anthropic SDK retries both)."""
+    import asyncio
+
+    from tinyloop.server.app import create_app
+    from tinyloop.server.config import ServerConfig
+
+    app = create_app(ServerConfig(model_path=tiny.path, max_running=0, max_waiting=0))
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            full = await client.post("/v1/messages", json=MESSAGES_BASE)
+            chat = {"model": "m", "messages": MESSAGES_BASE["messages"], "max_tokens": 2}
+            return full, await client.post("/v1/chat/completions", json=chat)
+
+    try:
+        messages, chat = asyncio.run(main())
+    finally:
+        app.state.tinyloop.runner.close()
+    assert_anthropic_error(messages, 529, "overloaded_error")
+    assert messages.headers["retry-after"] == "1"
+    assert chat.status_code == 503 and chat.json()["error"]["code"] == "server_overloaded"

@@ -156,13 +156,22 @@ def test_the_page_is_served_without_a_key_and_nothing_else_is(tiny):
         assert httpx.get(f"{base}/page/secrets.txt", headers=auth).json()["error"]["code"] == "not_found"
 
 
-def test_api_v0_streams_end_with_stats(server):
+@pytest.mark.parametrize("usage", [False, True])
+def test_api_v0_streams_end_with_stats(server, usage):
+    """The stats ride on the stream's last chunk: the usage chunk when asked for, else the finish_reason chunk."""
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 5, "loops": 2}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", f"{server}/api/v0/chat/completions", json=body, timeout=30) as r:
         events = [e for e in r.read().decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     import json
 
-    last = json.loads(events[-2][len("data: ") :])
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == last["stats"]["completion_tokens"]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    last = chunks[-1]
+    assert [c for c in chunks if "stats" in c] == [last]
+    if usage:
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == last["stats"]["completion_tokens"]
+    else:
+        assert last["choices"][0]["finish_reason"] == "length" and last["stats"]["completion_tokens"] == 5
     assert last["stats"]["loops_used"] == 2 and last["model_info"]["default_loops"] > 0

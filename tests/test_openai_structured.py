@@ -122,11 +122,20 @@ def test_required_tool_call_round_trip(client, stream):
     call = choice.message.tool_calls[0]
     arguments_of(call, WEATHER if call.function.name == "get_weather" else TIME)
     if stream:
-        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        chunks = list(
+            client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **kw)
+        )
         deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-            (0, call.function.name, call.function.arguments)
-        ]
+        # The name comes first, then the arguments as they are written: they add up to the call's arguments.
+        first, rest = deltas[0], deltas[1:]
+        assert (first.index, first.id, first.function.name, first.function.arguments) == (
+            0,
+            first.id,
+            call.function.name,
+            "",
+        ) and first.id.startswith("call_")
+        assert len(rest) >= 4 and all(d.index == 0 and d.function.name is None and d.id is None for d in rest)
+        assert "".join(d.function.arguments for d in rest) == call.function.arguments
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     # The call and its result go back into the conversation; the model then answers.
@@ -162,16 +171,23 @@ def test_tool_prompt_and_auto_mode_parsing(server, tiny_engine):
     r = post(server, {**CHAT, "tools": [WEATHER], "max_tokens": 12}).json()
     want = tiny_engine.generate(tiny_engine.encode(prompt), SamplingParams(temperature=0.0, max_tokens=12)).text
     assert r["choices"][0]["message"]["content"] == want.lstrip() and "tool_calls" not in r["choices"][0]["message"]
-    # The reader, fed a stream cut anywhere, finds the calls and keeps the rest as content.
+    # The reader, fed a stream cut anywhere, finds the calls; no block of tool-call markup is ever content.
     text = (
-        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call> <tool_call>{bad'
+        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Os}lo\\"", "days": 2}}</tool_call> <tool'
+        '<tool_call>{bad</tool_call><tool_call>{"arguments": {}, "name": "f"}</tool_call>'
+        '<tool_call>{"name": "cut", "arguments": {"a": [1, '
     )
     for cut in range(1, len(text)):
         reader = CallReader()
-        c1, calls1 = reader.feed(text[:cut])
-        c2, calls2 = reader.feed(text[cut:])
-        assert c1 + c2 + reader.finish() == "Sure.  <tool_call>{bad"
-        assert [c["function"]["arguments"] for c in calls1 + calls2] == ['{"city": "Oslo", "days": 2}']
+        events = reader.feed(text[:cut]) + reader.feed(text[cut:]) + reader.finish()
+        assert "".join(e.text for e in events if e.kind == "text") == "Sure.  <tool"
+        assert [(c.name, c.arguments, c.complete) for c in reader.calls] == [
+            ("get_weather", '{"city": "Os}lo\\"", "days": 2}', True),
+            ("f", "{}", True),
+            ("cut", '{"a": [1, ', False),
+        ]
+        fragments = ["".join(e.text for e in events if e.kind == "args" and e.call is c) for c in reader.calls]
+        assert fragments == [c.arguments for c in reader.calls]
     calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
     turn = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": calls})
     assert render_chat([turn]) == 'Assistant: <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\nAssistant:'
@@ -192,7 +208,6 @@ def test_tool_prompt_and_auto_mode_parsing(server, tiny_engine):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_k": -1}, "top_k"),
-        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ],
 )
 def test_unsupported_or_inconsistent_values_are_refused_by_name(server, change, param):

@@ -80,12 +80,11 @@ def test_chat_stream_bytes(server, client):
     raw = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).content
     events = sse_events(raw)
     assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
-    assert events[-2]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
-    # Every stream ends with the usage chunk, asked for or not.
-    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+    # Unasked, no usage chunk: the finish_reason chunk is the last, and every chunk has a choice to index.
+    assert events[-1]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
-    assert all("usage" not in e for e in events[:-1])  # `usage: null` per chunk only with include_usage
-    content = [e["choices"][0]["delta"]["content"] for e in events[1:-2]]
+    assert all("usage" not in e and e["choices"][0]["index"] == 0 for e in events)
+    content = [e["choices"][0]["delta"]["content"] for e in events[1:-1]]
     assert all(content)  # empty deltas are dropped
     full = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=10, temperature=0, stop=[])
     assert "".join(content) == full.choices[0].message.content
@@ -136,9 +135,9 @@ def test_exact_stop_strings(client, server):
     assert out.choices[0].text == free[: free.index(stop)] and out.choices[0].finish_reason == "stop"
     body = {"model": "m", "prompt": "Stop test", "max_tokens": 30, "temperature": 0, "stop": stop, "stream": True}
     events = sse_events(httpx.post(f"{server}/v1/completions", json=body, timeout=60).content)
-    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    texts = [e["choices"][0]["text"] for e in events]
     assert "".join(texts) == free[: free.index(stop)] and all(stop not in t for t in texts)
-    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1]["choices"] == []
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_prompt_array_answers_every_prompt(client, tiny_engine):

@@ -34,9 +34,19 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
+    def status_for(self, path: str) -> int:
+        """The status in the API family that `path` belongs to: on Anthropic's routes a request the schema refuses is
+        400 (as every `invalid_request_error` is there) and a server that cannot take it now is 529
+        `overloaded_error`."""
+        if path.startswith(ANTHROPIC_ROUTES):
+            return _ANTHROPIC_STATUS.get(self.status, self.status)
+        return self.status
+
     def body_for(self, path: str) -> dict[str, Any]:
         """The error in the shape of the API family that `path` belongs to."""
-        return anthropic_error_body(self.status, self.message) if path.startswith(ANTHROPIC_ROUTES) else self.body()
+        if path.startswith(ANTHROPIC_ROUTES):
+            return anthropic_error_body(self.status_for(path), self.message)
+        return self.body()
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -46,12 +56,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 ANTHROPIC_ROUTES = "/v1/messages"
+_ANTHROPIC_STATUS = {415: 400, 422: 400, 503: 529}
 _ANTHROPIC_TYPES = {
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     500: "api_error",
-    503: "overloaded_error",
+    529: "overloaded_error",
 }
 
 

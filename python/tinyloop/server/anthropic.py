@@ -16,13 +16,25 @@ from pydantic import Field
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_TOP_K, Generation, Grammar
 from ..errors import APIError
 from .depth import DepthFields, depth_of
+from .generation import ChoiceRun
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
-from .structured import NAME_PATTERN
+from .structured import NAME_PATTERN, schema_grammar
 from .template import DEFAULT_STOP, ChatFormat
-from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse, with_calls
+from .tools import (
+    Call,
+    Event,
+    FunctionCall,
+    FunctionDef,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolUse,
+    read_calls,
+    with_calls,
+)
 
 router = APIRouter()
 
@@ -30,6 +42,7 @@ router = APIRouter()
 class TextBlock(Strict):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(Strict):
@@ -37,6 +50,7 @@ class ToolUseBlock(Strict):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(Strict):
@@ -44,6 +58,7 @@ class ToolResultBlock(Strict):
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
 
 class Message(Strict):
@@ -51,10 +66,21 @@ class Message(Strict):
     content: str | list[TextBlock | ToolUseBlock | ToolResultBlock]
 
 
+class CacheControl(Strict):
+    """A prompt-caching breakpoint: accepted and ignored — the prompt cache reuses every shared prefix unasked."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
 class AnthropicTool(Strict):
+    type: Literal["custom"] | None = None  # the anthropic SDK's `ToolParam` declares it: a tool the client runs
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+    strict: bool | None = None  # enforced or not by tool_choice, as on chat
+    eager_input_streaming: bool | None = None  # the input always streams as it is written
 
 
 class ToolChoiceSpec(Strict):
@@ -99,9 +125,6 @@ class Conversation(Strict):
                 f"thinking.type {self.thinking.type!r} is not supported: this model does not think",
                 param="thinking",
             )
-        tools = self.tool_use()
-        if self.output_config and self.output_config.format and tools and tools.forced:
-            raise APIError(400, "a forced tool call and output_config.format cannot both shape the output")
 
     def tool_use(self) -> ToolUse | None:
         tools = [
@@ -160,31 +183,32 @@ class MessagesRequest(DepthFields, Conversation):
             raise APIError(400, f"max_tokens must be at most {max_tokens_limit}", param="max_tokens")
         self.check_conversation()
 
-    def sampling(self) -> OpenAISampling:
-        """The same sampling as a chat request (one home for turning fields into a `Generation`)."""
-        fmt = self.output_config.format if self.output_config else None
-        response_format = (
-            {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None
-        )
-        return OpenAISampling.model_validate(
+    def sampling(self, defaults: dict[str, Any]) -> OpenAISampling:
+        """The same sampling as a chat request (one home for turning fields into a `Generation`); `defaults` (the
+        server's and the model file's) fill the sampling fields this family has no field for, as they do on chat."""
+        sampling = OpenAISampling.model_validate(
             {
                 "model": self.model,
                 "max_tokens": self.max_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
                 "top_k": self.top_k,
-                "response_format": response_format,
             }
             | self.depth_fields()
         )
+        sampling.with_defaults({k: v for k, v in defaults.items() if k != "stop"})  # stop: `stop_sequences`
+        return sampling
 
     def grammar(self) -> Grammar | None:
+        fmt = self.output_config.format if self.output_config else None
+        text = fmt.schema_ if fmt else None
         tools = self.tool_use()
-        return tools.grammar() if tools and tools.forced else self.sampling().grammar()
+        return schema_grammar(text) if tools is None else tools.grammar(text)
 
 
 async def plan(state: ServerState, req: MessagesRequest) -> Plan:
-    req.with_defaults(state.defaults())
+    defaults = state.defaults()
+    req.with_defaults(defaults)
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
     prompts = await tokenize(state, [req.prompt(chat)], chat.special)
@@ -196,7 +220,7 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
             req.draft_ahead,
             engine.info.default_loops,
         )
-        for g in req.sampling().generations()
+        for g in req.sampling(defaults).generations()
     ]
     stop = [*(req.stop_sequences or []), *chat.stops]
     tools = req.tool_use()
@@ -205,24 +229,19 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     return Plan(prompts, generations, mode, stop, lstrip=True, grammar_param=param)
 
 
-def _blocks(text: str, tools: ToolUse | None) -> list[dict[str, Any]]:
+def _blocks(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
+    """The reply's content blocks. A call the generation cut short (`max_tokens`) has no `tool_use` block: its input
+    is not a whole object (a stream has already sent what was written of it)."""
     if tools is None:
-        return [{"type": "text", "text": text}]
-    reader = CallReader(tools.parallel)
-    content, calls = reader.feed(text)
-    content += reader.finish()
+        return [{"type": "text", "text": c.text}]
+    content, calls = read_calls(c.text, c.finish_reason, tools)
+    made = [call for call in calls if call.complete]
     out: list[dict[str, Any]] = [{"type": "text", "text": content}] if content.strip() or not calls else []
-    return out + [_tool_use(c) for c in calls]
+    return out + [{**_tool_use(call), "input": json.loads(call.arguments)} for call in made]
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    f = call["function"]
-    return {
-        "type": "tool_use",
-        "id": f"toolu_{uuid.uuid4().hex[:24]}",
-        "name": f["name"],
-        "input": json.loads(f["arguments"]),
-    }
+def _tool_use(call: Call) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{call.id[len('call_') :]}", "name": call.name, "input": {}}
 
 
 def _stop(r: RunningRequest, called: bool) -> tuple[str, str | None]:
@@ -252,7 +271,7 @@ def _usage(r: RunningRequest) -> dict[str, int]:
 
 
 def body(req: MessagesRequest, r: RunningRequest) -> dict[str, Any]:
-    content = _blocks(r.choices[0].text, req.tool_use())
+    content = _blocks(r.choices[0], req.tool_use())
     stop_reason, stop_sequence = _stop(r, any(b["type"] == "tool_use" for b in content))
     return {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
@@ -281,25 +300,14 @@ async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes
         {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}},
     )
     yield _event("ping", {})
-    index, text_open, called = 0, False, False
-    async for _, delta, calls, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
-        if delta:
-            if not text_open:
-                yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                text_open = True
-            yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": delta}})
-        for call in calls:
-            if text_open:
-                yield _event("content_block_stop", {"index": index})
-                index, text_open = index + 1, False
-            block = _tool_use(call)
-            yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-            partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield _event("content_block_delta", {"index": index, "delta": partial})
-            yield _event("content_block_stop", {"index": index})
-            index, called = index + 1, True
-    if text_open:
-        yield _event("content_block_stop", {"index": index})
+    blocks = _Blocks()
+    async for _, events_, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
+        for e in events_:
+            for event in blocks.event(e):
+                yield event
+    for event in blocks.close():
+        yield event
+    called = blocks.called
     try:
         stop_reason, stop_sequence = _stop(r, called)
     except APIError as e:
@@ -313,6 +321,44 @@ async def events(req: MessagesRequest, r: RunningRequest) -> AsyncIterator[bytes
         },
     )
     yield _event("message_stop", {})
+
+
+class _Blocks:
+    """A streamed reply's content blocks as its events build them: text deltas, a call's `input_json_delta`s as its
+    arguments are written, each block stopped before the next one starts."""
+
+    def __init__(self) -> None:
+        self.index, self.open, self.called = 0, None, False  # open: "text" or "tool_use"
+
+    def event(self, e: Event) -> list[bytes]:
+        out: list[bytes] = []
+        if e.kind == "text":
+            if self.open != "text":
+                out += self.close()
+                block = {"type": "text", "text": ""}
+                out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
+                self.open = "text"
+            out.append(
+                _event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": e.text}})
+            )
+        elif e.kind == "start" and e.call is not None:
+            out += self.close()
+            out.append(_event("content_block_start", {"index": self.index, "content_block": _tool_use(e.call)}))
+            self.open = "tool_use"
+        elif e.kind == "args":
+            delta = {"type": "input_json_delta", "partial_json": e.text}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        elif e.kind == "end":
+            self.called = self.called or bool(e.call and e.call.complete)
+            out += self.close()
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        out = [_event("content_block_stop", {"index": self.index})]
+        self.index, self.open = self.index + 1, None
+        return out
 
 
 @router.post("/v1/messages")

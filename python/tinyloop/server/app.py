@@ -44,7 +44,8 @@ class ORJSONResponse(JSONResponse):
 
 
 def _error(e: APIError, request: Request) -> ORJSONResponse:
-    return ORJSONResponse(e.body_for(request.url.path), status_code=e.status, headers=e.headers)
+    path = request.url.path
+    return ORJSONResponse(e.body_for(path), status_code=e.status_for(path), headers=e.headers)
 
 
 def load_engine(cfg: ServerConfig, metrics: Metrics, path: Path) -> tuple[Engine, EngineRunner]:
@@ -112,6 +113,7 @@ def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metr
         load_error=error,
         kv_cache_mode=cfg.kv_cache_mode(),
         device=engine.info.device if engine is not None else cfg.device,
+        always_usage=cfg.always_include_usage,
         commit=cfg.commit,
         max_tokens_limit=cfg.max_tokens_limit,
         started=int(time.time()),

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from ..extras import require_or_exit
 from .config import DEFAULT_MODEL, KV_CACHE_MODES, KV_SHARE_MODES, api_keys
 from .defaults import ConfigError, load_defaults
 from .residency import CatalogError, scan_catalog
@@ -50,6 +51,8 @@ ENV_HELP = """environment variables:
   TINYLOOP_PROFILE_DIR        enables POST /start_profile and /stop_profile, which write profiles here
   TINYLOOP_MAX_BODY_BYTES     largest request body; larger ones get 413 (default 4 MiB)
   TINYLOOP_MAX_TOKENS_LIMIT   ceiling of a request's max_tokens (default 8192)
+  TINYLOOP_ALWAYS_INCLUDE_USAGE  1: end every /v1 and /api/v0 stream with a usage chunk (choices: []), as if each
+                              request asked for stream_options.include_usage (default: only those that ask)
   TINYLOOP_REQUEST_TIMEOUT    seconds of wall time a request may take, queueing included; past it the
                               generation ends with finish_reason "aborted" (default 600; 0: no limit)
   TINYLOOP_THREADS            compute threads (default: one per core); sets RAYON_NUM_THREADS for the engine
@@ -181,6 +184,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="seconds one request may take (0: no limit), else TINYLOOP_REQUEST_TIMEOUT, else 600",
     )
+    p.add_argument(
+        "--always-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, asked for or not; else TINYLOOP_ALWAYS_INCLUDE_USAGE",
+    )
     p.add_argument("--max-running", type=int, default=None, help="else TINYLOOP_MAX_RUNNING, else 16")
     p.add_argument("--max-waiting", type=int, default=None, help="else TINYLOOP_MAX_WAITING, else 256")
     p.add_argument(
@@ -254,6 +262,8 @@ _positive = _checked(int, lambda n: n >= 1, "a whole number >= 1")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.ray:
+        require_or_exit("ray", "--ray", "ray", "ray.serve")
     for env, value in [
         ("TINYLOOP_MODEL_PATH", args.model),
         ("TINYLOOP_MAX_SEQ_LEN", args.max_seq_len),
@@ -265,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         ("TINYLOOP_MAX_BODY_BYTES", args.max_body_bytes),
         ("TINYLOOP_MAX_TOKENS_LIMIT", args.max_tokens_limit),
         ("TINYLOOP_REQUEST_TIMEOUT", args.request_timeout),
+        ("TINYLOOP_ALWAYS_INCLUDE_USAGE", "1" if args.always_include_usage else None),
         ("TINYLOOP_KV_CACHE", args.kv_cache),
         ("TINYLOOP_KV_SHARE", args.kv_share),
         ("TINYLOOP_DEVICE", args.device),

@@ -45,6 +45,7 @@ class ServerConfig:
     idle_unload_seconds: float = 0.0  # unload it after this long without a request (0: never); implies lazy_load
     kv_share: str = "none"  # "last": after the prompt, loops share the last loop's KV (prompt reuse is then off)
     device: str = "cpu"  # where the model computes: "cpu", "cuda", "cuda:N" (the CUDA build), "candle-cpu"
+    always_include_usage: bool = False  # end every stream with a usage chunk, asked for or not
     prompt_cache: bool = True  # reuse finished sequences' KV for prompts that start the same way (prefix reuse)
     prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB
     prompt_cache_entries: int = DEFAULT_PROMPT_CACHE_ENTRIES
@@ -77,6 +78,7 @@ class ServerConfig:
             idle_unload_seconds=float(env.get("TINYLOOP_IDLE_UNLOAD_SECONDS") or 0.0),
             kv_share=env.get("TINYLOOP_KV_SHARE") or "none",
             device=env.get("TINYLOOP_DEVICE") or "cpu",
+            always_include_usage=_flag("TINYLOOP_ALWAYS_INCLUDE_USAGE"),
             prompt_cache=not _flag("TINYLOOP_NO_PROMPT_CACHE"),
             prompt_cache_mib=int(env.get("TINYLOOP_PROMPT_CACHE_MIB") or DEFAULT_PROMPT_CACHE_MIB),
             prompt_cache_entries=int(env.get("TINYLOOP_PROMPT_CACHE_ENTRIES") or DEFAULT_PROMPT_CACHE_ENTRIES),

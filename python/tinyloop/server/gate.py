@@ -38,7 +38,7 @@ async def send_error(send: Send, e: APIError, path: str = "") -> None:
     body = orjson.dumps(e.body_for(path))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.start", "status": e.status_for(path), "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

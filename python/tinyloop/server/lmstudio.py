@@ -1,6 +1,6 @@
 """The LM Studio family (`/api/v0`): the OpenAI endpoints with the loop knobs (`mode`, speculative settings,
 `cache_window`, `repetition_penalty`) and `stats`, `model_info` and `runtime` — in a non-streamed answer's body, and
-in a stream's final (usage) chunk."""
+in a stream's last chunk (the usage chunk, when the stream has one)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ async def chat(req: LMChatCompletionRequest, state: State):
         plan,
         req.stream,
         lambda r: with_sections(state, r, openai.chat_body(req, r)),
-        lambda r: openai.chat_events(req, r, lambda r: sections(state, r)),
+        lambda r: openai.chat_events(req, r, openai.Framing(state.always_usage, lambda r: sections(state, r))),
     )
 
 
@@ -49,5 +49,5 @@ async def completions(req: LMCompletionRequest, state: State):
         plan,
         req.stream,
         lambda r: with_sections(state, r, openai.completion_body(req, r)),
-        lambda r: openai.completion_events(req, r, lambda r: sections(state, r)),
+        lambda r: openai.completion_events(req, r, openai.Framing(state.always_usage, lambda r: sections(state, r))),
     )

@@ -8,6 +8,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -19,7 +20,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error
 from .state import ServerState, State
-from .tools import CallReader, with_calls
+from .tools import Call, Event, read_calls, with_calls
 
 router = APIRouter()
 
@@ -87,22 +88,22 @@ def _chat_choice(i: int, c: ChoiceRun, req: ChatCompletionRequest) -> dict[str, 
     if tools is None:
         message = {"role": "assistant", "content": c.text}
         return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
-    reader = CallReader(tools.parallel)
-    content, calls = reader.feed(c.text)
-    content += reader.finish()
+    content, calls = read_calls(c.text, c.finish_reason, tools)
     message = {"role": "assistant", "content": content if content.strip() or not calls else None}
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = [call.openai() for call in calls]
     return {
         "index": i,
         "message": message,
         "logprobs": logprobs,
-        "finish_reason": _tool_finish(c.finish_reason, bool(calls)),
+        "finish_reason": _tool_finish(c.finish_reason, calls),
     }
 
 
-def _tool_finish(finish: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and finish == "stop" else finish
+def _tool_finish(finish: str | None, calls: list[Call]) -> str | None:
+    """ "tool_calls" when the turn ended on a call the client can make; a call cut short keeps the reason ("length")
+    that cut it."""
+    return "tool_calls" if finish == "stop" and any(c.complete for c in calls) else finish
 
 
 def completion_body(req: CompletionRequest, r: RunningRequest) -> dict[str, Any]:
@@ -156,61 +157,88 @@ class _Handed:
 
 
 Sections = Callable[[RunningRequest], dict[str, Any]]
+Choices = list[dict[str, Any]]
 
 
-def _chunker(req: OpenAISampling, obj: str, prefix: str, sections: Sections | None = None):
-    """The chunk framing of one stream: its id and fields, and `usage: null` in every chunk when the client asked
-    for usage. Every stream ends with a usage chunk (`choices: []`, plus what `sections` adds: the LM Studio
-    family's stats) before `[DONE]`, asked for or not."""
-    base = {"id": new_id(prefix), "object": obj, "created": int(time.time()), "model": req.model}
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+@dataclass(frozen=True)
+class Framing:
+    """How a stream's chunks are framed and ended. With `stream_options.include_usage` (or the server's
+    `--always-include-usage`) every chunk has `usage: null` and a usage chunk (`choices: []`) follows the last
+    finish_reason chunk, as OpenAI sends it; otherwise that finish_reason chunk is the last before `[DONE]`. What
+    `sections` adds (the LM Studio family's stats) rides on the stream's last chunk."""
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return sse({**base, "choices": choices, **({"usage": None} if with_usage else {})})
+    always_usage: bool = False
+    sections: Sections | None = None
 
-    def tail(r: RunningRequest) -> list[bytes]:
-        usage = sse({**base, "choices": [], "usage": r.usage(), **(sections(r) if sections else {})})
-        return [usage, stream_error(error), SSE_DONE] if (error := r.error()) is not None else [usage, SSE_DONE]
+    async def frame(
+        self, req: OpenAISampling, obj: str, prefix: str, r: RunningRequest, chunks: AsyncIterator[Choices]
+    ) -> AsyncIterator[bytes]:
+        base = {"id": new_id(prefix), "object": obj, "created": int(time.time()), "model": req.model}
+        usage = self.always_usage or bool(req.stream_options and req.stream_options.include_usage)
+        nulls = {"usage": None} if usage else {}
+        last: Choices | None = None  # held back: the last chunk before the end gets the sections
+        async for choices in chunks:
+            if last is not None:
+                yield sse({**base, "choices": last, **nulls})
+            last = choices
+        more = self.sections(r) if self.sections else {}
+        if last is not None:
+            yield sse({**base, "choices": last, **nulls, **({} if usage else more)})
+        if usage:
+            yield sse({**base, "choices": [], "usage": r.usage(), **more})
+        if (error := r.error()) is not None:
+            yield stream_error(error)
+        yield SSE_DONE
 
-    return chunk, tail
+
+def chat_events(req: ChatCompletionRequest, r: RunningRequest, framing: Framing) -> AsyncIterator[bytes]:
+    return framing.frame(req, "chat.completion.chunk", "chatcmpl-", r, _chat_chunks(req, r))
 
 
-async def chat_events(
-    req: ChatCompletionRequest, r: RunningRequest, sections: Sections | None = None
-) -> AsyncIterator[bytes]:
-    chunk, tail = _chunker(req, "chat.completion.chunk", "chatcmpl-", sections)
+async def _chat_chunks(req: ChatCompletionRequest, r: RunningRequest) -> AsyncIterator[Choices]:
     for i in range(len(r.choices)):
-        yield chunk([{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}])
+        yield [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}]
     handed = _Handed(r) if req.wanted_logprobs() is not None else None
-    called = [0] * len(r.choices)  # calls handed out per choice
-    async for i, delta, calls, finish, count in with_calls(r.merged_deltas(), req.tool_use()):
+    calls: list[list[Call]] = [[] for _ in r.choices]  # per choice, the calls begun
+    async for i, events, finish, count in with_calls(r.merged_deltas(), req.tool_use()):
         extra: dict[str, Any] = {}
-        if handed is not None and (delta or finish is not None):
+        if handed is not None and (events or finish is not None):
             tokens, entries = handed.take(i, count)
             extra = {"logprobs": {"content": chat_content(r.choices[i].runner.engine, tokens, entries)}}
-        if delta:
-            yield chunk([{"index": i, "delta": {"content": delta}, **extra, "finish_reason": None}])
+        for delta in _chat_deltas(events, calls[i]):
+            yield [{"index": i, "delta": delta, **extra, "finish_reason": None}]
             extra = {"logprobs": {"content": []}} if extra else {}
-        if calls:
-            deltas = [{"index": called[i] + k, **call} for k, call in enumerate(calls)]
-            called[i] += len(calls)
-            yield chunk([{"index": i, "delta": {"tool_calls": deltas}, "finish_reason": None}])
         if finish is not None:
-            yield chunk([{"index": i, "delta": {}, **extra, "finish_reason": _tool_finish(finish, called[i] > 0)}])
-    for event in tail(r):
-        yield event
+            yield [{"index": i, "delta": {}, **extra, "finish_reason": _tool_finish(finish, calls[i])}]
 
 
-async def completion_events(
-    req: CompletionRequest, r: RunningRequest, sections: Sections | None = None
-) -> AsyncIterator[bytes]:
-    chunk, tail = _chunker(req, "text_completion", "cmpl-", sections)
+def _chat_deltas(events: list[Event], calls: list[Call]) -> list[dict[str, Any]]:
+    """One choice's events as chat deltas: content; a call's first delta (index, id, name) and then its arguments
+    as they are written, a delta per stretch."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e.kind == "text":
+            out.append({"content": e.text})
+        elif e.kind == "start" and e.call is not None:
+            calls.append(e.call)
+            head = {"index": len(calls) - 1, "id": e.call.id, "type": "function"}
+            out.append({"tool_calls": [{**head, "function": {"name": e.call.name, "arguments": ""}}]})
+        elif e.kind == "args":
+            out.append({"tool_calls": [{"index": len(calls) - 1, "function": {"arguments": e.text}}]})
+    return out
+
+
+def completion_events(req: CompletionRequest, r: RunningRequest, framing: Framing) -> AsyncIterator[bytes]:
+    return framing.frame(req, "text_completion", "cmpl-", r, _completion_chunks(req, r))
+
+
+async def _completion_chunks(req: CompletionRequest, r: RunningRequest) -> AsyncIterator[Choices]:
     handed = _Handed(r)
     texts = [0] * len(r.choices)  # characters sent per choice: the next chunk's text_offset
     for i, c in enumerate(r.choices):
         if (echoed := _echoed(r, i)) is not NO_ECHO:
             logprobs = _completion_logprobs(req, c, echoed.tokens, list(echoed.entries), 0)
-            yield chunk([{"text": echoed.text, "index": i, "logprobs": logprobs, "finish_reason": None}])
+            yield [{"text": echoed.text, "index": i, "logprobs": logprobs, "finish_reason": None}]
             texts[i] = len(echoed.text)
     async for i, delta, finish, count in r.merged_deltas():
         c = r.choices[i]
@@ -219,13 +247,11 @@ async def completion_events(
             tokens, entries = handed.take(i, count)
             logprobs = _completion_logprobs(req, c, tokens, entries, texts[i])
         if delta:
-            yield chunk([{"text": delta, "index": i, "logprobs": logprobs, "finish_reason": None}])
+            yield [{"text": delta, "index": i, "logprobs": logprobs, "finish_reason": None}]
             texts[i] += len(delta)
             logprobs = None
         if finish is not None:
-            yield chunk([{"text": "", "index": i, "logprobs": logprobs, "finish_reason": finish}])
-    for event in tail(r):
-        yield event
+            yield [{"text": "", "index": i, "logprobs": logprobs, "finish_reason": finish}]
 
 
 @router.get("/v1/models")
@@ -236,7 +262,11 @@ async def models(state: State):
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, state: State):
     return await respond(
-        state, await chat_plan(state, req), req.stream, lambda r: chat_body(req, r), lambda r: chat_events(req, r)
+        state,
+        await chat_plan(state, req),
+        req.stream,
+        lambda r: chat_body(req, r),
+        lambda r: chat_events(req, r, Framing(state.always_usage)),
     )
 
 
@@ -247,5 +277,5 @@ async def completions(req: CompletionRequest, state: State):
         await completion_plan(state, req),
         req.stream,
         lambda r: completion_body(req, r),
-        lambda r: completion_events(req, r),
+        lambda r: completion_events(req, r, Framing(state.always_usage)),
     )

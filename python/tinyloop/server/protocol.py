@@ -8,9 +8,10 @@ checks ranges and consistency (a failure is 400, naming the parameter). The rang
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from .._core import (
     MAX_BRANCHES,
@@ -30,7 +31,7 @@ from ..errors import APIError
 from .depth import DepthFields, check_auto_drafts
 from .strict import Strict, ranged
 from .strict import check_range as _range
-from .structured import ResponseFormat
+from .structured import ResponseFormat, schema_grammar
 from .tools import Tool, ToolCall, ToolChoice, ToolUse
 
 MAX_TOKENS_LIMIT = 8192  # the default ceiling of max_tokens (`--max-tokens-limit`)
@@ -89,6 +90,13 @@ class OpenAISampling(DepthFields):
 
     # tinyloop's own fields on this family, where null is not a value.
     NULL_REFUSED: ClassVar[frozenset[str]] = frozenset()
+    # A default `repetition_penalty` (the server's or the model file's) applies here too, though only /api/v0 has
+    # the field.
+    _repetition_penalty: float = PrivateAttr(1.0)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> None:
+        super().with_defaults(defaults)
+        self._repetition_penalty = float(defaults.get("repetition_penalty", 1.0))
 
     @model_validator(mode="before")
     @classmethod
@@ -124,7 +132,11 @@ class OpenAISampling(DepthFields):
 
     def grammar(self) -> Grammar | None:
         """What the output must match (`response_format`), if anything."""
-        return self.response_format.grammar() if self.response_format else None
+        return schema_grammar(self.text_schema())
+
+    def text_schema(self) -> dict[str, Any] | None:
+        """The schema a text answer must match (`response_format`), if any."""
+        return self.response_format.schema() if self.response_format else None
 
     def grammar_param(self) -> str:
         """The field a grammar compile error names."""
@@ -140,9 +152,12 @@ class OpenAISampling(DepthFields):
 
     def generations(self) -> list[Generation]:
         """One Generation per sample; with a seed, sample i uses seed + i so the n samples differ."""
-        return [Generation(self._params(i), loops=self.loop_arg(), grammar=self.grammar()) for i in range(self.n)]
+        return [
+            Generation(self._params(i, self._repetition_penalty), loops=self.loop_arg(), grammar=self.grammar())
+            for i in range(self.n)
+        ]
 
-    def _params(self, i: int, repetition_penalty: float = 1.0) -> SamplingParams:
+    def _params(self, i: int, repetition_penalty: float) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -181,13 +196,7 @@ class ChatCompletionRequest(OpenAISampling):
 
     def grammar(self) -> Grammar | None:
         tools = self.tool_use()
-        if tools is None or not tools.forced:
-            return super().grammar()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(
-                400, "a forced tool call and a response_format cannot both shape the output", param="tool_choice"
-            )
-        return tools.grammar()
+        return super().grammar() if tools is None else tools.grammar(self.text_schema())
 
     def grammar_param(self) -> str:
         tools = self.tool_use()

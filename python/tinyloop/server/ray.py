@@ -34,7 +34,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import error_body
+from ..errors import APIError
 from .cli import is_loopback
 from .gate import replayed
 
@@ -198,9 +198,9 @@ class Ingress:
             response = StreamingResponse(_rest(chunks, request.url.path), status_code=status)
             response.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
             return response
-        return JSONResponse(
-            error_body(503, "no replica could take the request; try again", code="no_replica"), status_code=503
-        )
+        e = APIError(503, "no replica could take the request; try again", code="no_replica")
+        path = request.url.path
+        return JSONResponse(e.body_for(path), status_code=e.status_for(path))
 
 
 async def _rest(chunks, path: str) -> AsyncIterator[bytes]:
@@ -225,7 +225,8 @@ def lost_stream_event(path: str) -> bytes:
     if path.startswith("/v1/responses"):
         data = {"type": "error", "code": "server_error", "message": message, "param": None}
         return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
-    return b"data: " + json.dumps(error_body(503, message, code="replica_lost")).encode() + b"\n\ndata: [DONE]\n\n"
+    body = APIError(503, message, code="replica_lost").body()
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def application(replicas: int, num_cpus: float = 1.0, env: dict[str, str] | None = None) -> serve.Application:

@@ -22,10 +22,25 @@ from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
 from .request import Plan, RunningRequest, respond, tokenize
 from .state import ServerState, State
 from .strict import Strict, ranged
-from .structured import NAME_PATTERN
-from .tools import CallReader, FunctionCall, FunctionDef, NamedToolChoice, Tool, ToolCall, ToolUse, with_calls
+from .structured import NAME_PATTERN, schema_grammar
+from .tools import (
+    Call,
+    Event,
+    FunctionCall,
+    FunctionDef,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolUse,
+    read_calls,
+    with_calls,
+)
 
 router = APIRouter()
+
+# `include` values the server honours: encrypted reasoning, of which a model that does not reason has none. The rest
+# name output of built-in tools, images or log-probabilities that tinyloop does not produce on this route.
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
 
 class TextPart(Strict):
@@ -104,6 +119,7 @@ class ResponsesRequest(DepthFields):
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None  # only false: nothing is stored
+    include: list[str] | None = None  # extra output data: none to give (`INCLUDABLE`)
     draft_loops: int | None = ranged(None, 1, MAX_DRAFT_LOOPS)
     draft_ahead: int = ranged(4, 1, MAX_DRAFT_AHEAD)
     # Accepted and ignored, as on chat (docs/api.md).
@@ -128,9 +144,15 @@ class ResponsesRequest(DepthFields):
             raise APIError(
                 400, 'this model does not reason: reasoning.effort may only be "none"', param="reasoning.effort"
             )
-        tools = self.tool_use()
-        if tools and tools.forced and self.text and self.text.format and self.text.format.type != "text":
-            raise APIError(400, "a forced tool call and text.format cannot both shape the output", param="tool_choice")
+        for i, value in enumerate(self.include or []):
+            if value not in INCLUDABLE:
+                raise APIError(
+                    400,
+                    f"include {value!r} is not supported: tinyloop runs no built-in tools, returns no "
+                    "log-probabilities here and keeps no reasoning (only reasoning.encrypted_content, which is then "
+                    "empty, is accepted)",
+                    param=f"include.{i}",
+                )
 
     def tool_use(self) -> ToolUse | None:
         tools = [
@@ -161,35 +183,40 @@ class ResponsesRequest(DepthFields):
                 out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         return out
 
-    def grammar(self) -> Grammar | None:
-        tools = self.tool_use()
-        if tools and tools.forced:
-            return tools.grammar()
+    def text_schema(self) -> dict[str, Any] | None:
+        """The schema a text answer must match (`text.format`), if any."""
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None
-        schema = fmt.schema_ if fmt.type == "json_schema" else {"type": "object"}
-        return Grammar.json_schema({} if schema is None else schema)
+        return (fmt.schema_ or {}) if fmt.type == "json_schema" else {"type": "object"}
 
-    def generation(self) -> Generation:
+    def grammar(self) -> Grammar | None:
+        tools = self.tool_use()
+        return schema_grammar(self.text_schema()) if tools is None else tools.grammar(self.text_schema())
+
+    def generation(self, defaults: dict[str, Any]) -> Generation:
+        """The request's generation; `defaults` (the server's and the model file's) fill the sampling fields this
+        family has no field for, as they do on chat."""
         sampling = OpenAISampling.model_validate(
             {"model": self.model, "temperature": self.temperature, "top_p": self.top_p}
             | self.depth_fields()
             | ({"max_tokens": self.max_output_tokens} if self.max_output_tokens else {})
         )
+        sampling.with_defaults(defaults)
         g = sampling.generations()[0]
         return Generation(g.params, loops=depth_of(g), grammar=self.grammar())
 
 
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
-    req.with_defaults(state.defaults())
+    defaults = state.defaults()
+    req.with_defaults(defaults)
     req.check(state.max_tokens_limit)
     chat = state.chat_format()
     prompts = await tokenize(state, [chat.render(req.conversation(), req.tool_use())], chat.special)
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "text.format"
     engine, _ = state.require_engine()
-    generation = with_drafts(req.generation(), req.draft_loops, req.draft_ahead, engine.info.default_loops)
+    generation = with_drafts(req.generation(defaults), req.draft_loops, req.draft_ahead, engine.info.default_loops)
     mode = "generate" if req.draft_loops is None else "speculative"
     return Plan(prompts, [generation], mode, chat.stops, lstrip=True, grammar_param=param)
 
@@ -205,17 +232,20 @@ def _message(text: str, status: str = "completed", item_id: str | None = None) -
     }
 
 
-def _function_call(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
-    f = call["function"]
-    done = arguments is None
+def _function_call(call: Call, status: str = "completed") -> dict[str, Any]:
     return {
         "type": "function_call",
-        "id": f"fc_{call['id'][len('call_') :]}",
-        "call_id": call["id"],
-        "name": f["name"],
-        "arguments": f["arguments"] if done else arguments,
-        "status": "completed" if done else "in_progress",
+        "id": f"fc_{call.id[len('call_') :]}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status != "in_progress" else "",
+        "status": status,
     }
+
+
+def _call_status(call: Call) -> str:
+    """A call the generation cut short is `incomplete` (the response is too)."""
+    return "completed" if call.complete else "incomplete"
 
 
 class Envelope:
@@ -270,11 +300,9 @@ class Envelope:
 def output_items(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
     if tools is None:
         return [_message(c.text)]
-    reader = CallReader(tools.parallel)
-    content, calls = reader.feed(c.text)
-    content += reader.finish()
+    content, calls = read_calls(c.text, c.finish_reason, tools)
     items = [_message(content)] if content.strip() or not calls else []
-    return items + [_function_call(call) for call in calls]
+    return items + [_function_call(call, _call_status(call)) for call in calls]
 
 
 def body(req: ResponsesRequest, r: RunningRequest) -> dict[str, Any]:
@@ -286,55 +314,85 @@ def _event(kind: str, seq: int, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n".encode()
 
 
+class _Output:
+    """The output items of a streamed response as its events build them: a message's text deltas, a function
+    call's argument deltas, each item closed (`...done`) before the next one opens."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.seq = iter(range(2, 1 << 62))  # 0 and 1: response.created and .in_progress
+        self.open: dict[str, Any] | None = None  # the item being written: a message, or a call
+        self.call: Call | None = None
+        self.text = ""
+
+    def _at(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"output_index": len(self.items), "item_id": self.open["id"]}
+
+    def event(self, e: Event) -> list[bytes]:
+        out: list[bytes] = []
+        if e.kind == "text":
+            if self.open is None:
+                self.open, self.text = _message("", "in_progress"), ""
+                out.append(
+                    self._emit("response.output_item.added", {"output_index": len(self.items), "item": self.open})
+                )
+                part = {"type": "output_text", "text": "", "annotations": []}
+                out.append(self._emit("response.content_part.added", {**self._at(), "content_index": 0, "part": part}))
+            self.text += e.text
+            out.append(self._emit("response.output_text.delta", {**self._at(), "content_index": 0, "delta": e.text}))
+        elif e.kind == "start" and e.call is not None:
+            out += self.close()
+            self.call, self.open = e.call, _function_call(e.call, "in_progress")
+            out.append(self._emit("response.output_item.added", {"output_index": len(self.items), "item": self.open}))
+        elif e.kind == "args":
+            out.append(self._emit("response.function_call_arguments.delta", {**self._at(), "delta": e.text}))
+        elif e.kind == "end":
+            out += self.close()
+        return out
+
+    def close(self) -> list[bytes]:
+        """End the open item: a call with its arguments (incomplete when cut short), a message with its text."""
+        if self.open is None:
+            return []
+        at, index = self._at(), len(self.items)
+        if self.call is not None:
+            done = _function_call(self.call, _call_status(self.call))
+            out = [self._emit("response.function_call_arguments.done", {**at, "arguments": done["arguments"]})]
+        else:
+            done, part = (
+                _message(self.text, item_id=self.open["id"]),
+                {"type": "output_text", "text": self.text, "annotations": []},
+            )
+            out = [
+                self._emit("response.output_text.done", {**at, "content_index": 0, "text": self.text}),
+                self._emit("response.content_part.done", {**at, "content_index": 0, "part": part}),
+            ]
+        out.append(self._emit("response.output_item.done", {"output_index": index, "item": done}))
+        self.items.append(done)
+        self.open = self.call = None
+        return out
+
+    def _emit(self, kind: str, data: dict[str, Any]) -> bytes:
+        return _event(kind, next(self.seq), data)
+
+
 async def events(req: ResponsesRequest, r: RunningRequest) -> AsyncIterator[bytes]:
     """response.created and .in_progress; per output item its added / deltas / done events; then
     response.completed (or .incomplete, .failed) with the whole response."""
-    env, seq = Envelope(req, r), iter(range(1 << 62))
-    yield _event("response.created", next(seq), {"response": env.response([])})
-    yield _event("response.in_progress", next(seq), {"response": env.response([])})
-    output: list[dict[str, Any]] = []
-    text, message = "", None
-    async for _, delta, calls, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
-        if delta:
-            if message is None:
-                message = _message("", "in_progress")
-                place = {"output_index": len(output), "item_id": message["id"]}
-                yield _event("response.output_item.added", next(seq), {"output_index": len(output), "item": message})
-                part = {"type": "output_text", "text": "", "annotations": []}
-                yield _event("response.content_part.added", next(seq), {**place, "content_index": 0, "part": part})
-            text += delta
-            yield _event("response.output_text.delta", next(seq), {**place, "content_index": 0, "delta": delta})
-        for call in calls:
-            if message is not None:
-                for event in _close_message(seq, place, message, text, output):
-                    yield event
-                message = None
-            item = _function_call(call)
-            at = {"output_index": len(output), "item_id": item["id"]}
-            yield _event(
-                "response.output_item.added", next(seq), {"output_index": len(output), "item": _function_call(call, "")}
-            )
-            yield _event("response.function_call_arguments.delta", next(seq), {**at, "delta": item["arguments"]})
-            yield _event("response.function_call_arguments.done", next(seq), {**at, "arguments": item["arguments"]})
-            yield _event("response.output_item.done", next(seq), {"output_index": len(output), "item": item})
-            output.append(item)
-    if message is not None:
-        for event in _close_message(seq, place, message, text, output):
-            yield event
+    env = Envelope(req, r)
+    yield _event("response.created", 0, {"response": env.response([])})
+    yield _event("response.in_progress", 1, {"response": env.response([])})
+    output = _Output()
+    async for _, events_, _, _ in with_calls(r.merged_deltas(), req.tool_use()):
+        for e in events_:
+            for event in output.event(e):
+                yield event
+    for event in output.close():
+        yield event
     status = env.final_status()
     kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
-    yield _event(kind, next(seq), {"response": env.response(output, status)})
-
-
-def _close_message(seq, place: dict[str, Any], message: dict[str, Any], text: str, output: list) -> list[bytes]:
-    part = {"type": "output_text", "text": text, "annotations": []}
-    done = _message(text, item_id=message["id"])
-    output.append(done)
-    return [
-        _event("response.output_text.done", next(seq), {**place, "content_index": 0, "text": text}),
-        _event("response.content_part.done", next(seq), {**place, "content_index": 0, "part": part}),
-        _event("response.output_item.done", next(seq), {"output_index": place["output_index"], "item": done}),
-    ]
+    yield output._emit(kind, {"response": env.response(output.items, status)})
 
 
 @router.post("/v1/responses")

@@ -30,6 +30,7 @@ class ServerState:
     commit: str | None
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     device: str = "cpu"  # where the model computes (`--device`): "cpu", "cuda:N", "candle-cpu"
+    always_usage: bool = False  # `--always-include-usage`: every /v1 and /api/v0 stream ends with a usage chunk
     # `--generate-config`: defaults for the sampling fields and loops a request does not send (defaults.py).
     generate_defaults: dict[str, Any] = field(default_factory=dict)
     profiler: Any = None  # `--profile DIR`: a profiling.Profiler, else None (the routes are not mounted)

@@ -10,14 +10,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field
 
 from .._core import Grammar
 from ..errors import APIError
 from .strict import Strict
-from .structured import NAME_PATTERN
+from .structured import NAME_PATTERN, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The call's JSON as json.dumps writes it (the engine sets the same for a response_format schema).
@@ -118,62 +118,220 @@ class ToolUse:
             f'To call one, answer {OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CLOSE}.'
         )
 
-    def grammar(self) -> Grammar | None:
-        """With "required" or a named function: exactly one call of a forced function, arguments per its schema."""
-        if not self.forced:
+    def grammar(self, text: dict[str, Any] | None = None) -> Grammar | None:
+        """With "required" or a named function: exactly one call of a forced function, arguments per its schema (the
+        call decides the turn: a text schema has nothing to shape). Else, with a text schema (a structured output):
+        one call of any tool, or the text document. Else None: the model writes freely."""
+        if not self.forced and text is None:
             return None
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
+                "properties": {"name": {"const": f.name}, "arguments": closed(f.parameters or {"type": "object"})},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for f in self.forced
+            for f in self.forced or self.tools
         ]
-        schema = {"anyOf": calls, "x-guidance": SEPARATORS}
-        return Grammar.lark(f"start: {json.dumps(OPEN)} call {json.dumps(CLOSE)}\ncall: %json {json.dumps(schema)}")
+        call = f"call: %json {json.dumps({'anyOf': calls, 'x-guidance': SEPARATORS})}"
+        rule = f"start: {json.dumps(OPEN)} call {json.dumps(CLOSE)}"
+        if self.forced:
+            return Grammar.lark(f"{rule}\n{call}")
+        document = f"document: %json {json.dumps({'x-guidance': SEPARATORS, **closed(text)})}"
+        return Grammar.lark(f"{rule} | document\n{call}\n{document}")
+
+
+@dataclass
+class Call:
+    """One tool call as the model writes it: its arguments are the model's own text, fragment by fragment."""
+
+    name: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    arguments: str = ""
+    closed: bool = False  # the arguments object was written to its end (else the generation cut it)
+
+    @property
+    def complete(self) -> bool:
+        """Closed, and its arguments a JSON object: a call the client can make."""
+        return self.closed and isinstance(_json_or_none(self.arguments), dict)
+
+    def openai(self) -> dict[str, Any]:
+        """As a chat completion's `tool_calls` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class Event(NamedTuple):
+    """What a stretch of text adds: `text` (content), `start` (a call's name is known), `args` (a fragment of its
+    arguments) or `end` (its block closed)."""
+
+    kind: Literal["text", "start", "args", "end"]
+    text: str = ""
+    call: Call | None = None
+
+
+_HEAD = ("{", '"name"', ":", None, ",", '"arguments"', ":")  # None: the name, a JSON string
+
+
+def _head(block: str) -> tuple[str, int, str | None]:
+    """Reads `{"name": "...", "arguments": ` at the start of a call block: ("more", 0, None) while the text may still
+    become one, ("no", 0, None) once it cannot, ("yes", where the arguments object begins, name)."""
+    i, name = 0, None
+    for part in (*_HEAD, "{"):
+        while i < len(block) and block[i].isspace():
+            i += 1
+        rest = block[i:]
+        if part is None:
+            end = _string_end(rest)
+            if end < 0:
+                return ("more" if not rest or rest[0] == '"' else "no"), 0, None
+            name = _json_or_none(rest[:end])
+            if not isinstance(name, str):
+                return "no", 0, None
+            i += end
+        elif not rest.startswith(part):
+            return ("more" if part.startswith(rest) else "no"), 0, None
+        elif part != "{" or name is None:
+            i += len(part)
+    return "yes", i, name
+
+
+def _string_end(text: str) -> int:
+    """The length of the JSON string `text` begins with, or -1 while it is unfinished."""
+    if not text.startswith('"'):
+        return -1
+    escaped = False
+    for i, ch in enumerate(text[1:], 1):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            return i + 1
+    return -1
 
 
 @dataclass
 class CallReader:
-    """Splits a choice's text, as it streams, into content and tool calls. Text that might still become `<tool_call>`
-    is held back; a block that is not a well-formed call stays content."""
+    """Splits a choice's text, as it streams, into content and tool calls (`Event`s). Text that might still become
+    `<tool_call>` is held back; once it is one, nothing up to `</tool_call>` is content: a block that begins a call's
+    head (`{"name": "f", "arguments": `) is that call, its arguments streamed as written; any other block is dropped
+    (or read whole at its end, for a call written in another layout). Fed the same text cut anywhere, it gives the
+    same calls and content."""
 
     parallel: bool = True
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     _held: str = ""
+    _mode: Literal["text", "head", "args", "tail", "skip"] = "text"
+    _depth: int = 0  # the arguments' open brackets, string and escape state
+    _in_string: bool = False
+    _escaped: bool = False
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content, new calls) that `text` completes."""
+    def feed(self, text: str) -> list[Event]:
+        """The events `text` completes."""
         self._held += text
-        content, new = [], []
-        while True:
-            start = self._held.find(OPEN)
-            if start < 0:
-                keep = _partial_suffix(self._held, OPEN)
-                content.append(self._held[: len(self._held) - keep])
-                self._held = self._held[len(self._held) - keep :]
-                break
-            end = self._held.find(CLOSE, start)
-            if end < 0:
-                content.append(self._held[:start])
-                self._held = self._held[start:]
-                break
-            content.append(self._held[:start])
-            block, self._held = self._held[start : end + len(CLOSE)], self._held[end + len(CLOSE) :]
-            call = _parse_call(block[len(OPEN) : -len(CLOSE)])
-            if call is None:
-                content.append(block)
-            elif self.parallel or not self.calls:
-                self.calls.append(call)
-                new.append(call)
-        return "".join(content), new
+        out: list[Event] = []
+        while self._step(out):
+            pass
+        return out
 
-    def finish(self) -> str:
-        """What is still held (an unfinished call is content)."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """At the end of the generation: held text that never became `<tool_call>` is content — unless the generation
+        was `cut` (by max_tokens, an abort, an error) while the model was writing it; a call cut short stays as written
+        so far (`Call.closed` false); an unfinished head is dropped."""
         rest, self._held = self._held, ""
-        return rest
+        return [Event("text", rest)] if self._mode == "text" and rest and not cut else []
+
+    def _step(self, out: list[Event]) -> bool:
+        """Consume what the held text decides; False when it must wait for more."""
+        held = self._held
+        if self._mode == "text":
+            start = held.find(OPEN)
+            cut = start if start >= 0 else len(held) - _partial_suffix(held, OPEN)
+            if cut:
+                out.append(Event("text", held[:cut]))
+            self._held = held[cut + len(OPEN) :] if start >= 0 else held[cut:]
+            self._mode = "head" if start >= 0 else "text"
+            return start >= 0
+        if self._mode == "head":
+            verdict, at, name = _head(held)
+            if verdict == "more":
+                return False
+            if verdict == "no" or (self.calls and not self.parallel):
+                self._mode = "skip"
+                return True
+            call = Call(name or "")
+            self.calls.append(call)
+            out.append(Event("start", call=call))
+            self._held, self._mode, self._depth, self._in_string, self._escaped = held[at:], "args", 0, False, False
+            return True
+        if self._mode == "args":
+            return self._arguments(out)
+        end = held.find(CLOSE)
+        if end < 0:
+            keep = _partial_suffix(held, CLOSE)
+            self._held = held if self._mode == "skip" else held[len(held) - keep :]
+            return False
+        if self._mode == "skip":
+            self._read_whole(held[:end], out)
+        self._held, self._mode = held[end + len(CLOSE) :], "text"
+        return True
+
+    def _arguments(self, out: list[Event]) -> bool:
+        """Scan the arguments object a character at a time, handing each stretch out as a fragment."""
+        call, held = self.calls[-1], self._held
+        i = 0
+        while i < len(held):
+            ch = held[i]
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped, self._in_string = ch == "\\", ch != '"'
+            elif ch == "<" and CLOSE.startswith(held[i : i + len(CLOSE)]):
+                break  # the block closes (or may) inside unbalanced arguments
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+            i += 1
+            if self._depth == 0 and not self._in_string:
+                call.closed = True
+                break
+        if i:
+            call.arguments += held[:i]
+            out.append(Event("args", held[:i], call))
+        self._held = held[i:]
+        if not (call.closed or self._held.startswith(CLOSE)):
+            return False
+        self._mode = "tail"
+        out.append(Event("end", call=call))
+        return True
+
+    def _read_whole(self, body: str, out: list[Event]) -> None:
+        """A dropped block that is a call after all, in a layout the head does not read (keys in another order)."""
+        value = _json_or_none(body)
+        if not isinstance(value, dict) or (self.calls and not self.parallel):
+            return
+        if not (isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
+            return
+        call = Call(value["name"], arguments=json.dumps(value["arguments"]), closed=True)
+        self.calls.append(call)
+        out += [Event("start", call=call), Event("args", call.arguments, call), Event("end", call=call)]
+
+
+def read_calls(text: str, finish: str | None, tools: ToolUse) -> tuple[str, list[Call]]:
+    """A whole choice's text and finish reason: (content, calls), as the same text streamed gives them."""
+    reader = CallReader(tools.parallel)
+    events = reader.feed(text) + reader.finish(cut=finish != "stop")
+    return "".join(e.text for e in events if e.kind == "text"), reader.calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -184,32 +342,16 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _parse_call(body: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not (
-        isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)
-    ):
-        return None
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": value["name"], "arguments": json.dumps(value["arguments"])},
-    }
-
-
 async def with_calls(
     deltas: AsyncIterator[tuple[int, str, str | None, int]], tools: ToolUse | None
-) -> AsyncIterator[tuple[int, str, list[dict[str, Any]], str | None, int]]:
-    """A request's merged deltas (`RunningRequest.merged_deltas`) with the calls split out of each choice's text:
-    (choice, text, calls completed, finish, tokens handed out). Without tools the text passes unchanged."""
+) -> AsyncIterator[tuple[int, list[Event], str | None, int]]:
+    """A request's merged deltas (`RunningRequest.merged_deltas`) as events, the calls split out of each choice's
+    text: (choice, events, finish, tokens handed out). Without tools each delta is one text event."""
     readers: dict[int, CallReader] = {}
     async for i, delta, finish, count in deltas:
-        calls: list[dict[str, Any]] = []
-        if tools is not None:
+        if tools is None:
+            events = [Event("text", delta)] if delta else []
+        else:
             reader = readers.setdefault(i, CallReader(tools.parallel))
-            delta, calls = reader.feed(delta)
-            delta += reader.finish() if finish is not None else ""
-        yield i, delta, calls, finish, count
+            events = reader.feed(delta) + (reader.finish(cut=finish != "stop") if finish is not None else [])
+        yield i, events, finish, count
