@@ -96,3 +96,34 @@ def test_a_bad_config_stops_the_server_from_starting(tmp_path, monkeypatch, capl
     monkeypatch.setenv("TINYLOOP_GENERATE_CONFIG", "")  # restored after the test: main() sets it
     assert cli.main(["--generate-config", str(path)]) == 2
     assert all(w in caplog.text for w in words), caplog.text
+
+
+def test_defaults_apply_where_a_family_has_no_field_for_them(tiny, tmp_path):
+    """A model file's (or the server's) penalties shape every family, those without the field included: chat,
+    Responses and Messages give the text /api/v0 gives with the same values sent explicitly."""
+    config = tmp_path / "penalties.json"
+    config.write_text(json.dumps({"temperature": 0, "frequency_penalty": 2.0, "repetition_penalty": 1.8}))
+    ask = "Tell me about the sea"
+    messages = [{"role": "user", "content": ask}]
+    explicit = {"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0}
+    with running_server(tiny.path, "--generate-config", str(config)) as base:
+
+        def post(path: str, body: dict) -> dict:
+            r = httpx.post(f"{base}{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        want = post("/api/v0/chat/completions", explicit | {"frequency_penalty": 2.0, "repetition_penalty": 1.8})
+        plain = post("/api/v0/chat/completions", explicit | {"frequency_penalty": 0.0, "repetition_penalty": 1.0})
+        want, plain = want["choices"][0]["message"]["content"], plain["choices"][0]["message"]["content"]
+        assert want != plain  # the penalties change this answer: the comparison below can fail
+        chat = post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 16})
+        responses = post("/v1/responses", {"model": "m", "input": ask, "max_output_tokens": 16})
+        claude = post("/v1/messages", {"model": "m", "messages": messages, "max_tokens": 16})
+        assert chat["choices"][0]["message"]["content"] == want
+        assert responses["output"][0]["content"][0]["text"] == want
+        assert claude["content"][0]["text"] == want
+        # A request's own value still wins where its family has the field.
+        own = post("/v1/chat/completions", explicit | {"frequency_penalty": 0.0})
+        mixed = post("/api/v0/chat/completions", explicit | {"frequency_penalty": 0.0, "repetition_penalty": 1.8})
+        assert own["choices"][0]["message"]["content"] == mixed["choices"][0]["message"]["content"]

@@ -5,6 +5,7 @@ refused by name, or on the documented list of accepted-and-ignored fields."""
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -318,3 +319,58 @@ def test_echo_returns_the_prompt_and_its_log_probabilities(client, tiny_engine, 
     assert offsets[0] == 0 and offsets[len(ids)] == len("Echo this prompt")
     echoed = client.completions.create(echo=True, **kw).choices[0]
     assert echoed.text == "Echo this prompt" + plain and echoed.logprobs is None
+
+
+def test_a_schema_without_additional_properties_is_closed():
+    """As llama.cpp's schema-to-grammar and xgrammar's strict mode read it: listed properties mean those keys only,
+    at every depth; `true` keeps free keys, a bare object stays any object, values are not schemas."""
+    from tinyloop.server.structured import closed
+
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": item},
+            "pair": {"type": "array", "prefixItems": [item, {"type": "string"}]},
+            "either": {"anyOf": [item, {"type": "null"}]},
+            "free": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "map": {"type": "object", "additionalProperties": item},
+            "any": {"type": "object"},
+            "ref": {"$ref": "#/$defs/D"},
+            "merged": {"allOf": [item, {"properties": {"y": {}}}]},
+            "const": {"const": {"properties": {"k": 1}}},
+        },
+        "$defs": {"D": {"properties": {"d": {}}}},
+    }
+    out = closed(schema)
+    p = out["properties"]
+    assert out["additionalProperties"] is False and out["$defs"]["D"]["additionalProperties"] is False
+    assert p["items"]["items"]["additionalProperties"] is False
+    assert p["pair"]["prefixItems"][0]["additionalProperties"] is False
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False
+    assert (
+        p["free"]["additionalProperties"] is True and p["map"]["additionalProperties"]["additionalProperties"] is False
+    )
+    assert p["any"] == {"type": "object"} and p["ref"] == {"$ref": "#/$defs/D"}
+    assert "additionalProperties" not in p["merged"] and "additionalProperties" not in p["merged"]["allOf"][0]
+    assert p["const"] == schema["properties"]["const"]
+    assert "additionalProperties" not in schema  # the request's own schema is left as it was
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_listed_properties_are_the_only_keys(client, where):
+    """Sampled outputs under a schema that leaves out `additionalProperties`: never a key it does not list."""
+    params = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": []}
+    kw: dict = dict(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, temperature=1.5)
+    if where == "response_format":
+        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "o", "schema": params}}
+    else:
+        kw |= dict(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": params}}], tool_choice="required"
+        )
+    keys: set[str] = set()
+    for seed in range(12):
+        m = client.chat.completions.create(seed=seed, **kw).choices[0]
+        text = m.message.content if where == "response_format" else m.message.tool_calls[0].function.arguments
+        keys |= set(re.findall(r'"((?:[^"\\]|\\.)*)": ', text))  # complete or cut by max_tokens
+    assert keys and keys <= {"a", "b"}

@@ -113,6 +113,7 @@ class Conversation(Strict):
     tool_choice: ToolChoiceSpec | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # automatic caching: what the prompt cache does unasked
 
     def prompt(self, chat: ChatFormat) -> str:
         """The text `/v1/messages` prefills: the chat template over the conversation and the tools."""
@@ -236,7 +237,7 @@ def _blocks(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
         return [{"type": "text", "text": c.text}]
     content, calls = read_calls(c.text, c.finish_reason, tools)
     made = [call for call in calls if call.complete]
-    out: list[dict[str, Any]] = [{"type": "text", "text": content}] if content.strip() or not calls else []
+    out: list[dict[str, Any]] = [] if content is None else [{"type": "text", "text": content}]
     return out + [{**_tool_use(call), "input": json.loads(call.arguments)} for call in made]
 
 

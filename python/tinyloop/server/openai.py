@@ -89,7 +89,7 @@ def _chat_choice(i: int, c: ChoiceRun, req: ChatCompletionRequest) -> dict[str, 
         message = {"role": "assistant", "content": c.text}
         return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
     content, calls = read_calls(c.text, c.finish_reason, tools)
-    message = {"role": "assistant", "content": content if content.strip() or not calls else None}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [call.openai() for call in calls]
     return {

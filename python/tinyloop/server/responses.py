@@ -301,7 +301,7 @@ def output_items(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
     if tools is None:
         return [_message(c.text)]
     content, calls = read_calls(c.text, c.finish_reason, tools)
-    items = [_message(content)] if content.strip() or not calls else []
+    items = [] if content is None else [_message(content)]
     return items + [_function_call(call, _call_status(call)) for call in calls]
 
 

@@ -227,6 +227,7 @@ class CallReader:
 
     parallel: bool = True
     calls: list[Call] = field(default_factory=list)
+    marked: bool = False  # some of the text was markup (a block, or a marker the generation cut)
     _held: str = ""
     _mode: Literal["text", "head", "args", "tail", "skip"] = "text"
     _depth: int = 0  # the arguments' open brackets, string and escape state
@@ -246,7 +247,10 @@ class CallReader:
         was `cut` (by max_tokens, an abort, an error) while the model was writing it; a call cut short stays as written
         so far (`Call.closed` false); an unfinished head is dropped."""
         rest, self._held = self._held, ""
-        return [Event("text", rest)] if self._mode == "text" and rest and not cut else []
+        if self._mode == "text" and rest and not cut:
+            return [Event("text", rest)]
+        self.marked = self.marked or bool(rest)
+        return []
 
     def _step(self, out: list[Event]) -> bool:
         """Consume what the held text decides; False when it must wait for more."""
@@ -258,6 +262,7 @@ class CallReader:
                 out.append(Event("text", held[:cut]))
             self._held = held[cut + len(OPEN) :] if start >= 0 else held[cut:]
             self._mode = "head" if start >= 0 else "text"
+            self.marked = self.marked or start >= 0
             return start >= 0
         if self._mode == "head":
             verdict, at, name = _head(held)
@@ -327,11 +332,13 @@ class CallReader:
         out += [Event("start", call=call), Event("args", call.arguments, call), Event("end", call=call)]
 
 
-def read_calls(text: str, finish: str | None, tools: ToolUse) -> tuple[str, list[Call]]:
-    """A whole choice's text and finish reason: (content, calls), as the same text streamed gives them."""
+def read_calls(text: str, finish: str | None, tools: ToolUse) -> tuple[str | None, list[Call]]:
+    """A whole choice's text and finish reason: (content, calls), as the same text streamed gives them. The content
+    is None where the text was tool-call markup and nothing (but whitespace) else."""
     reader = CallReader(tools.parallel)
     events = reader.feed(text) + reader.finish(cut=finish != "stop")
-    return "".join(e.text for e in events if e.kind == "text"), reader.calls
+    content = "".join(e.text for e in events if e.kind == "text")
+    return (None if reader.marked and not content.strip() else content), reader.calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:
