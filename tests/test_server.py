@@ -549,8 +549,11 @@ def test_tokenize_is_tiktokens_gpt2_in_llama_cpps_shapes(server):
 
 def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(server):
     ids = httpx.post(f"{server}/tokenize", json={"content": TOKENIZE_TEXT}).json()["tokens"]
-    assert httpx.post(f"{server}/detokenize", json={"tokens": ids}).json() == {"content": TOKENIZE_TEXT}
-    assert httpx.post(f"{server}/detokenize", json={"tokens": []}).json() == {"content": ""}
+    # the text under both servers' names: llama.cpp's `content` and vLLM's `prompt`
+    both = {"content": TOKENIZE_TEXT, "prompt": TOKENIZE_TEXT}
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids}).json() == both
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids, "model": "tiny"}).json() == both  # vLLM's body
+    assert httpx.post(f"{server}/detokenize", json={"tokens": []}).json() == {"content": "", "prompt": ""}
     for bad in (50257, -1, 2**40):
         r = httpx.post(f"{server}/detokenize", json={"tokens": [1, bad]})
         assert (
@@ -560,3 +563,61 @@ def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(server):
     assert r.status_code == 422  # strict types: a string is not a token id
     r = httpx.post(f"{server}/tokenize", json={"content": "x", "n_probs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n_probs"  # unimplemented fields are refused
+
+
+def test_tokenize_in_vllms_shape(server, tiny_engine):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from tinyloop.modelfile.vocab import tiktoken_gpt2
+
+    enc = tiktoken_gpt2()
+    ids = enc.encode(TOKENIZE_TEXT, allowed_special="all")  # control tokens' text is read as those tokens, as HF's
+    r = httpx.post(f"{server}/tokenize", json={"prompt": TOKENIZE_TEXT})
+    assert r.status_code == 200 and 50256 in ids
+    assert r.json() == {
+        "count": len(ids),
+        "max_model_len": tiny_engine.info.max_seq_len,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    # lm-eval's body; GPT-2's tokenizer puts no special token before a text, so add_special_tokens changes nothing
+    body = {"prompt": TOKENIZE_TEXT, "add_special_tokens": False, "model": "tiny"}
+    assert httpx.post(f"{server}/tokenize", json=body).json()["tokens"] == ids
+    strs = httpx.post(f"{server}/tokenize", json={"prompt": TOKENIZE_TEXT, "return_token_strs": True}).json()
+    # each token's vocabulary entry, as Hugging Face's convert_ids_to_tokens gives it: its bytes in GPT-2's alphabet
+    alphabet = bytes_to_unicode()
+    want = ["".join(alphabet[b] for b in enc.decode_single_token_bytes(t)) for t in ids]
+    assert strs["tokens"] == ids and strs["token_strs"] == want
+    assert "Ġend" in want and not all(_is_utf8(enc.decode_single_token_bytes(t)) for t in ids)  # the emoji's pieces
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"content": "a", "prompt": "a"}, "prompt"),  # both texts
+        ({}, "content"),  # neither
+        ({"add_special_tokens": False}, "content"),
+        ({"prompt": "a", "with_pieces": True}, "with_pieces"),  # llama.cpp's fields with vLLM's text
+        ({"prompt": "a", "parse_special": False}, "parse_special"),
+        ({"prompt": "a", "add_special": True}, "add_special"),
+        ({"content": "a", "return_token_strs": True}, "return_token_strs"),  # and the other way round
+        ({"content": "a", "add_special_tokens": True}, "add_special_tokens"),
+        ({"content": "a", "model": "tiny"}, "model"),
+        ({"prompt": "a", "messages": []}, "messages"),  # vLLM's chat form is not implemented
+    ],
+)
+def test_tokenize_refuses_an_ambiguous_body(server, body, param):
+    r = httpx.post(f"{server}/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenizer_info_is_what_lm_eval_reads(server, tiny_engine):
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    assert info["eos_token"] == info["bos_token"] == "<|endoftext|>"  # GPT-2's, as its tokenizer_config.json has
+    assert info["pad_token"] is None and info["add_bos_token"] is False and info["add_eos_token"] is False
+    assert info["model_max_length"] == tiny_engine.info.max_seq_len and isinstance(info["tokenizer_class"], str)
+    assert info.get("chat_template") == (tiny_engine.chat_template or None)
+    # lm-eval finds the end-of-text id by tokenizing eos_token
+    eos = httpx.post(f"{server}/tokenize", json={"prompt": info["eos_token"]}).json()["tokens"]
+    assert eos == [tiny_engine.eos_token_id] == [50256]
