@@ -194,9 +194,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     app.state.tinyloop = state
     app.state.metrics = metrics
 
-    app.add_middleware(
-        Gate, api_keys=cfg.keys(), metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight
-    )
+    app.add_middleware(Gate, api_keys=cfg.keys(), metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight)
 
     _error_handlers(app)
 
