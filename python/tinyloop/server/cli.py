@@ -7,14 +7,13 @@ wins.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
 import textwrap
 
 from ..extras import require_or_exit
-from .config import ServerConfig, SettingError, declared
+from .config import ServerConfig, SettingError, declared, is_loopback
 from .defaults import ConfigError, load_defaults
 from .residency import CatalogError, scan_catalog
 
@@ -145,13 +144,6 @@ def _serve(cfg: ServerConfig) -> None:
         log_access=False,
         workers_kill_timeout=5,
     ).serve()
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ through the same parsers, so a bad value is refused alike from either side, nami
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -354,3 +355,10 @@ def api_keys(listed: str | None, file: str | None) -> tuple[str, ...]:
         lines = Path(file).read_text(encoding="utf-8").splitlines()
         keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
     return tuple(k for k in keys if k)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import APIError
-from .cli import is_loopback
+from .config import is_loopback
 from .gate import replayed
 
 log = logging.getLogger("tinyloop.server.ray")
