@@ -44,7 +44,7 @@ router = APIRouter()
 INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
 
-class TextPart(Strict):
+class ContentPart(Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None  # on output_text parts a client sends back; nothing to do with them
@@ -60,7 +60,7 @@ class Item(Strict):
 class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
 
 
 class FunctionCallItem(Item):
