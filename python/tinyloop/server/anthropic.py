@@ -314,7 +314,8 @@ class _Blocks:
     arguments are written, each block stopped before the next one starts."""
 
     def __init__(self) -> None:
-        self.index, self.open, self.called = 0, None, False  # open: "text" or "tool_use"
+        self.index, self.called = 0, False
+        self.open: str | None = None  # the block being written: "text" or "tool_use"
 
     def event(self, e: Event) -> list[bytes]:
         out: list[bytes] = []

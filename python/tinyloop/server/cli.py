@@ -127,6 +127,7 @@ def _start_error(cfg: ServerConfig) -> str | None:
 def _serve(cfg: ServerConfig) -> None:
     from granian import Granian
     from granian.constants import Interfaces, Loops
+    from granian.log import LogLevels
 
     # workers_kill_timeout: the worker drains its requests on SIGTERM (lifecycle.py) within a few seconds; if it
     # ever does not, it is killed rather than holding the process open. loop: asyncio's, always — granian picks
@@ -140,7 +141,7 @@ def _serve(cfg: ServerConfig) -> None:
         interface=Interfaces.ASGI,
         loop=Loops.asyncio,
         workers=1,
-        log_level=cfg.log_level,
+        log_level=LogLevels(cfg.log_level),
         log_access=False,
         workers_kill_timeout=5,
     ).serve()
