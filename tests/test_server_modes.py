@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -71,16 +75,26 @@ def test_kv_mode_from_the_flag_or_the_environment(tiny, args, env, mode):
         assert info["kv_cache_mode"] == mode
 
 
-def test_bad_kv_env_combinations_are_clear_load_errors(tiny):
-    with running_server(tiny.path, env={"TINYLOOP_KV_H_MODE": "1"}, expect_health=503) as base:
-        assert "TINYLOOP_KV_INT4" in httpx.get(f"{base}/health").json()["reason"]
-    with running_server(tiny.path, env={"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_INT8": "1"}, expect_health=503) as base:
-        assert "choose one" in httpx.get(f"{base}/health").json()["reason"]
-    with running_server(tiny.path, env={"TINYLOOP_KV_CACHE": "int3"}, expect_health=503) as base:
-        reason = httpx.get(f"{base}/health").json()["reason"]
-        assert "'int3'" in reason and "int4-h" in reason
-    with running_server(tiny.path, env={"TINYLOOP_KV_CACHE": "int8", "TINYLOOP_KV_INT4": "1"}, expect_health=503) as b:
-        assert "TINYLOOP_KV_CACHE alone" in httpx.get(f"{b}/health").json()["reason"]
+@pytest.mark.parametrize(
+    "env,words",
+    [
+        ({"TINYLOOP_KV_H_MODE": "1"}, ["--kv-h-mode", "TINYLOOP_KV_INT4"]),
+        ({"TINYLOOP_KV_INT4": "1", "TINYLOOP_KV_INT8": "1"}, ["choose one"]),
+        ({"TINYLOOP_KV_CACHE": "int3"}, ["--kv-cache / TINYLOOP_KV_CACHE", "'int3'", "int4-h"]),
+        ({"TINYLOOP_KV_CACHE": "int8", "TINYLOOP_KV_INT4": "1"}, ["--kv-cache alone"]),
+    ],
+)
+def test_bad_kv_settings_stop_the_server_naming_them(tiny, env, words):
+    """A KV-cache mode that cannot be, from the variables as from the flags: exit 2 with one line naming them."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tinyloop.server.cli", "--model", str(tiny.path)],
+        env={k: v for k, v in os.environ.items() if not k.startswith("TINYLOOP_")} | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and all(w in out.stderr for w in words), out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_every_flag_has_an_environment_variable(monkeypatch):

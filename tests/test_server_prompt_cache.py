@@ -112,7 +112,7 @@ def test_flags_and_environment_configure_the_cache(monkeypatch, capsys):
     from tinyloop.server.config import ServerConfig
 
     args = parse(["--prompt-cache-mib", "64", "--prompt-cache-entries", "2", "--prompt-cache-disk", "/tmp/pc"])
-    assert (args.prompt_cache_mib, args.prompt_cache_entries, args.prompt_cache_disk) == (64, 2, "/tmp/pc")
+    assert (args.prompt_cache_mib, args.prompt_cache_entries, str(args.prompt_cache_disk)) == (64, 2, "/tmp/pc")
     assert parse(["--no-prompt-cache"]).no_prompt_cache is True
     with pytest.raises(SystemExit) as e:
         parse(["--prompt-cache-mib", "0"])

@@ -88,7 +88,7 @@ def test_the_flag_and_its_variable(tiny):
     from tinyloop.server.config import ServerConfig
 
     assert cli.parse(["--always-include-usage"]).always_include_usage
-    assert not cli.parse([]).always_include_usage and "TINYLOOP_ALWAYS_INCLUDE_USAGE" in cli.ENV_HELP
+    assert not cli.parse([]).always_include_usage and "TINYLOOP_ALWAYS_INCLUDE_USAGE" in cli.env_help()
     with running_server(tiny.path, "--always-include-usage") as base:
         assert raw_chunks(base, "/v1/chat/completions", CHAT)[-1]["choices"] == []
     assert not ServerConfig().always_include_usage

@@ -5,6 +5,7 @@ tinyloop generate MODEL "Once upon a time" [--max-tokens N] [--loops L|auto] [--
 tinyloop random-model OUT.tinyloop [--dim D ...]   # a random model, for trying the engine out
 tinyloop quantize IN.tinyloop OUT.tinyloop --bits 8|4|2 [--method rtn|gptq] [--calib FILE] [--format q4_0|q4_1]
 tinyloop export-llama IN.tinyloop OUT.gguf [--loops L]   # unrolled llama GGUF for llama.cpp-based tools
+tinyloop convert HF_DIR OUT.tinyloop [--outtype f16|f32|q8_0|q4_0] [--loops L]   # a Hugging Face checkpoint
 tinyloop draft-vocab IN.tinyloop OUT.tinyloop --corpus TEXT [--size N] [--exit-size N]   # cheaper drafts, exit checks
 tinyloop launch [--client C] [--model M] [--port N] [--dry-run] [-- SERVE_FLAGS]   # serve, and set up a coding client
 """

@@ -23,6 +23,7 @@ from .errors import LaunchError
 from .prompts import Prompter
 
 if TYPE_CHECKING:
+    from ..server.config import ServerConfig
     from .models import Model
 
 DEFAULT_PORT = 8000
@@ -118,14 +119,15 @@ def _choose(args: argparse.Namespace, ask: Prompter | None) -> Choices:
     return Choices(client, model, port_number)
 
 
-def _server_command(args: argparse.Namespace, c: Choices) -> tuple[list[str], argparse.Namespace]:
-    """The command that starts the server, and its flags as tinyloop-serve reads them (so an unknown flag is
-    refused now, by tinyloop-serve's own parser, and the flags after `--` that matter to clients are known)."""
+def _server_command(args: argparse.Namespace, c: Choices) -> tuple[list[str], ServerConfig]:
+    """The command that starts the server, and its settings as tinyloop-serve reads them, flags over the environment
+    (so a bad flag is refused now, by tinyloop-serve's own parser, and the settings that matter to clients are
+    known)."""
     from ..server import cli as serve_cli
 
     flags = ["--model", str(c.model.path), "--port", str(c.port), "--host", args.host, *args.server_args]
     parsed = serve_cli.parse(flags)  # a usage error exits with tinyloop-serve's message, as the server would
-    if (parsed.model, parsed.port, parsed.host) != (str(c.model.path), c.port, args.host):
+    if (str(parsed.model_path), parsed.port, parsed.host) != (str(c.model.path), c.port, args.host):
         raise LaunchError("give --model, --port and --host to `tinyloop launch` itself, not after `--`")
     return [sys.executable, "-m", port.SERVER_MODULE, *flags], parsed
 
@@ -141,20 +143,15 @@ def client_origin(host: str, port_number: int) -> str:
     return f"http://[{ip}]:{port_number}" if ip.version == 6 else f"http://{ip}:{port_number}"
 
 
-def _target(args: argparse.Namespace, c: Choices, served: argparse.Namespace) -> clients.Target:
-    from ..server.config import api_keys
+def _target(args: argparse.Namespace, c: Choices, served: ServerConfig) -> clients.Target:
     from .models import context_length, served_id
 
-    env = os.environ
     try:
-        keys = api_keys(
-            ",".join(served.api_key) if served.api_key else env.get("TINYLOOP_API_KEY"),
-            served.api_key_file or env.get("TINYLOOP_API_KEY_FILE"),
-        )
+        keys = served.keys()
     except OSError as e:
         raise LaunchError(f"cannot read the API key file: {e}") from None
-    name = served.served_model_name or env.get("TINYLOOP_SERVED_MODEL_NAME")
-    model_id = served_id(c.model.path, name, served.models_dir or env.get("TINYLOOP_MODELS_DIR"))
+    models_dir = str(served.models_dir) if served.models_dir else None
+    model_id = served_id(c.model.path, served.served_model_name, models_dir)
     context = served.max_seq_len or context_length(c.model.path) or 2048
     origin = client_origin(args.host, c.port)
     return clients.Target(model_id, origin, keys[0] if keys else "local", bool(keys), context)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter
@@ -15,10 +15,11 @@ from pydantic import Field
 
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_TOP_K, Generation, Grammar
 from ..errors import APIError
-from .depth import DepthFields, depth_of
+from .depth import DepthFields
 from .generation import ChoiceRun
-from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
+from .protocol import MAX_TOKENS_LIMIT, ChatMessage
 from .request import Plan, RunningRequest, respond, tokenize
+from .sampling import Sampling, drafts
 from .state import ServerState, State
 from .strict import Strict, ranged
 from .structured import NAME_PATTERN, schema_grammar
@@ -184,21 +185,13 @@ class MessagesRequest(DepthFields, Conversation):
             raise APIError(400, f"max_tokens must be at most {max_tokens_limit}", param="max_tokens")
         self.check_conversation()
 
-    def sampling(self, defaults: dict[str, Any]) -> OpenAISampling:
-        """The same sampling as a chat request (one home for turning fields into a `Generation`); `defaults` (the
-        server's and the model file's) fill the sampling fields this family has no field for, as they do on chat."""
-        sampling = OpenAISampling.model_validate(
-            {
-                "model": self.model,
-                "max_tokens": self.max_tokens,
-                "temperature": self.temperature,
-                "top_p": self.top_p,
-                "top_k": self.top_k,
-            }
-            | self.depth_fields()
-        )
-        sampling.with_defaults({k: v for k, v in defaults.items() if k != "stop"})  # stop: `stop_sequences`
-        return sampling
+    def generation(self, defaults: Mapping[str, Any], default_loops: int) -> Generation:
+        """The request's generation, built once: its own sampling fields, the `defaults` (the server's and the model
+        file's) for those this family has no field for (`stop` is `stop_sequences`), its depth and drafts."""
+        own = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "max_tokens": self.max_tokens}
+        sampling = Sampling.of(own, defaults)
+        spec = drafts(self, self.draft_loops, self.draft_ahead, default_loops, sampling.temperature)
+        return Generation(sampling.params(), loops=self.loop_arg_for(spec), speculative=spec, grammar=self.grammar())
 
     def grammar(self) -> Grammar | None:
         fmt = self.output_config.format if self.output_config else None
@@ -214,20 +207,12 @@ async def plan(state: ServerState, req: MessagesRequest) -> Plan:
     chat = state.chat_format()
     prompts = await tokenize(state, [req.prompt(chat)], chat.special)
     engine, _ = state.require_engine()
-    generations = [
-        with_drafts(
-            Generation(g.params, loops=depth_of(g), grammar=req.grammar()),
-            req.draft_loops,
-            req.draft_ahead,
-            engine.info.default_loops,
-        )
-        for g in req.sampling(defaults).generations()
-    ]
+    generation = req.generation(defaults, engine.info.default_loops)
     stop = [*(req.stop_sequences or []), *chat.stops]
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "output_config"
     mode = "generate" if req.draft_loops is None else "speculative"
-    return Plan(prompts, generations, mode, stop, lstrip=True, grammar_param=param)
+    return Plan(prompts, [generation], mode, stop, lstrip=True, grammar_param=param)
 
 
 def _blocks(c: ChoiceRun, tools: ToolUse | None) -> list[dict[str, Any]]:
@@ -329,7 +314,8 @@ class _Blocks:
     arguments are written, each block stopped before the next one starts."""
 
     def __init__(self) -> None:
-        self.index, self.open, self.called = 0, None, False  # open: "text" or "tool_use"
+        self.index, self.called = 0, False
+        self.open: str | None = None  # the block being written: "text" or "tool_use"
 
     def event(self, e: Event) -> list[bytes]:
         out: list[bytes] = []

@@ -1,10 +1,9 @@
 """The FastAPI application: the gate (auth, body limits, disconnects, metrics per request), errors in the API's
-shape, health and metrics, and one router per API family (openai.py, lmstudio.py, native.py).
+shape, health and metrics, and one router per API family (openai.py, responses.py, compact.py, anthropic.py,
+lmstudio.py, native.py, tokens.py, page.py).
 
-`create_app()` reads its configuration from the environment (set by `tinyloop-serve`, or by hand):
-TINYLOOP_MODEL_PATH, TINYLOOP_MAX_SEQ_LEN, TINYLOOP_SERVED_MODEL_NAME, TINYLOOP_API_KEY / TINYLOOP_API_KEY_FILE,
-TINYLOOP_MAX_RUNNING, TINYLOOP_MAX_WAITING, TINYLOOP_MAX_BODY_BYTES, TINYLOOP_MAX_TOKENS_LIMIT,
-TINYLOOP_REQUEST_TIMEOUT, TINYLOOP_KV_INT8 / TINYLOOP_KV_INT4 / TINYLOOP_KV_H_MODE, TINYLOOP_COMMIT.
+`create_app()` reads its settings from the environment (`ServerConfig.from_env`: the `TINYLOOP_*` variables that
+`tinyloop-serve` sets from its flags, or that are set by hand; config.py declares each one).
 """
 
 from __future__ import annotations
@@ -114,11 +113,11 @@ def load_state(cfg: ServerConfig, inflight: InFlight) -> tuple[ServerState, Metr
         kv_cache_mode=cfg.kv_cache_mode(),
         device=engine.info.device if engine is not None else cfg.device,
         always_usage=cfg.always_include_usage,
-        commit=cfg.commit,
+        commit=cfg.build_commit(),
         max_tokens_limit=cfg.max_tokens_limit,
         started=int(time.time()),
         generate_defaults=defaults,
-        profiler=Profiler(Path(cfg.profile_dir)) if cfg.profile_dir else None,
+        profiler=Profiler(cfg.profile_dir) if cfg.profile_dir else None,
     )
     return state, metrics
 
@@ -195,9 +194,7 @@ def create_app(cfg: ServerConfig | None = None) -> FastAPI:
     app.state.tinyloop = state
     app.state.metrics = metrics
 
-    app.add_middleware(
-        Gate, api_keys=cfg.api_keys, metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight
-    )
+    app.add_middleware(Gate, api_keys=cfg.keys(), metrics=metrics, max_body_bytes=cfg.max_body_bytes, inflight=inflight)
 
     _error_handlers(app)
 

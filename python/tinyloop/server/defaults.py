@@ -5,7 +5,7 @@ null) takes the server's default; `"stop": []` in a request clears a default `st
 Every API family takes the defaults under its own field names (`Strict.with_defaults`): Anthropic's `stop` is
 `stop_sequences`, the Responses API's `max_tokens` is `max_output_tokens`, the native `seed` is `sample_seed`. The
 sampling fields a family has no field for (Responses' `top_k`, Messages' `frequency_penalty`, chat's
-`repetition_penalty`) apply through the chat sampling it builds its generation with (`OpenAISampling`); a family
+`repetition_penalty`) apply all the same (`sampling.Sampling.of`); a family
 whose range excludes the value (Anthropic's temperature is 0-1) keeps its own default for it.
 
 The file is checked when the server starts: an unknown key, a wrong type or a value out of range is an error that

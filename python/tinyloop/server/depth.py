@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from .._core import MAX_LOOPS, AutoDepth, Generation, Speculative
+from .._core import MAX_LOOPS, AutoDepth, Speculative
 from ..errors import APIError
 from .strict import Strict, ranged
 
@@ -75,11 +75,6 @@ def check_auto_drafts(min_loops: int, draft_loops: int) -> None:
             f'with loops "auto", draft_loops ({draft_loops}) must be below max(min_loops, 2) ({first})',
             param="draft_loops",
         )
-
-
-def depth_of(g: Generation) -> int | AutoDepth | None:
-    """`g`'s depth as `Generation(loops=...)` takes it (to build a changed copy)."""
-    return g.auto if g.auto is not None else g.loops
 
 
 def stats(auto_loops: list[tuple[int, int]]) -> dict[str, Any]:

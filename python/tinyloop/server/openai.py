@@ -86,8 +86,8 @@ def _chat_choice(i: int, c: ChoiceRun, req: ChatCompletionRequest) -> dict[str, 
     if req.wanted_logprobs() is not None:
         logprobs = {"content": chat_content(c.runner.engine, c.tokens, c.logprobs)}
     if tools is None:
-        message = {"role": "assistant", "content": c.text}
-        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        reply = {"role": "assistant", "content": c.text}
+        return {"index": i, "message": reply, "logprobs": logprobs, "finish_reason": c.finish_reason}
     content, calls = read_calls(c.text, c.finish_reason, tools)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:

@@ -1,5 +1,6 @@
-"""The chat page: `GET /` and its two assets, static files shipped in the package (`page/`). They hold no data, so
-they are served without an API key; the page asks for one when the API answers 401 and sends it with every call."""
+"""The chat page: `GET /` and its two assets, static files shipped in the package (`page_assets/`). They hold no
+data, so they are served without an API key; the page asks for one when the API answers 401 and sends it with every
+call."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..errors import APIError
 
 router = APIRouter()
 
-PAGE = Path(__file__).resolve().parent / "page"
+PAGE = Path(__file__).resolve().parent / "page_assets"
 ASSETS = {"chat.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
 PUBLIC_PATHS = frozenset({"/", *(f"/page/{name}" for name in ASSETS)})
 

@@ -1,4 +1,6 @@
-"""Request schemas of every API family (docs/api.md), and what each request asks of the engine.
+"""Request schemas of the OpenAI, LM Studio and native families (docs/api.md), and what each request asks of the
+engine. The Responses and Messages schemas live beside their routes (`responses.py`, `anthropic.py`), and every
+family's sampling settings go through one builder (`sampling.py`).
 
 Pydantic checks shapes and types (a failure is 422; types are strict, `strict.py`); `check()` on each request
 checks ranges and consistency (a failure is 400, naming the parameter). The ranges are the engine's own limits
@@ -8,6 +10,7 @@ checks ranges and consistency (a failure is 400, naming the parameter). The rang
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -21,14 +24,14 @@ from .._core import (
     MAX_LOGPROBS,
     MAX_LOOPS,
     MAX_TOP_K,
-    MAX_TREE_ROWS,
     Generation,
     Grammar,
     SamplingParams,
     Speculative,
 )
 from ..errors import APIError
-from .depth import DepthFields, check_auto_drafts
+from .depth import DepthFields
+from .sampling import Sampling, check_speculative
 from .strict import Strict, ranged
 from .strict import check_range as _range
 from .structured import ResponseFormat, schema_grammar
@@ -151,21 +154,19 @@ class OpenAISampling(DepthFields):
         return "generate"
 
     def generations(self) -> list[Generation]:
-        """One Generation per sample; with a seed, sample i uses seed + i so the n samples differ."""
-        return [
-            Generation(self._params(i, self._repetition_penalty), loops=self.loop_arg(), grammar=self.grammar())
-            for i in range(self.n)
-        ]
+        """One Generation per sample (`Sampling.params` gives each its seed)."""
+        sampling = self.sampling()
+        return [Generation(sampling.params(i), loops=self.loop_arg(), grammar=self.grammar()) for i in range(self.n)]
 
-    def _params(self, i: int, repetition_penalty: float) -> SamplingParams:
-        return SamplingParams(
+    def sampling(self) -> Sampling:
+        return Sampling(
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            seed=None if self.seed is None else (self.seed + i) % 2**64,
+            repetition_penalty=self._repetition_penalty,
+            seed=self.seed,
             max_tokens=self.resolved_max_tokens(),
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
@@ -279,7 +280,7 @@ class LMStudioExtras(OpenAISampling):
             spec = Speculative(self.draft_loops, self.verify_loops, self.draft_ahead, k)
         return [
             Generation(
-                self._params(i, self.repetition_penalty),
+                dataclasses.replace(self.sampling(), repetition_penalty=self.repetition_penalty).params(i),
                 loops=self.loop_arg_for(spec),
                 speculative=spec,
                 cache_window=self.cache_window,
@@ -376,37 +377,6 @@ class TreeSpeculativeRequest(SpeculativeRequest):
 
     def branches(self) -> int:
         return self.K_branches
-
-
-def with_drafts(g: Generation, draft_loops: int | None, draft_ahead: int, default_loops: int) -> Generation:
-    """`g` drafting `draft_ahead` tokens at `draft_loops` and verifying at its own depth — tinyloop's speculative knob
-    on the Responses and Messages families (None: `g` unchanged)."""
-    if draft_loops is None:
-        return g
-    verify = g.loops or default_loops
-    if g.auto is not None:
-        check_auto_drafts(g.auto.min_loops, draft_loops)
-    check_speculative("speculative", draft_ahead, 1, draft_loops, verify, g.params.temperature)
-    spec = Speculative(draft_loops, verify, draft_ahead)
-    return Generation(g.params, loops=g.auto, speculative=spec, cache_window=g.cache_window, grammar=g.grammar)
-
-
-def check_speculative(
-    mode: str, draft_ahead: int, k_branches: int, draft_loops: int, verify_loops: int, temperature: float
-) -> None:
-    if draft_loops >= verify_loops:
-        raise APIError(
-            400, f"draft_loops ({draft_loops}) must be below verify_loops ({verify_loops})", param="draft_loops"
-        )
-    if mode == "tree_speculative":
-        if temperature != 0.0:
-            raise APIError(400, "tree_speculative is greedy-only: temperature must be 0.0", param="temperature")
-        if k_branches * draft_ahead > MAX_TREE_ROWS:
-            raise APIError(
-                400,
-                f"K_branches * draft_ahead must be at most {MAX_TREE_ROWS}, got {k_branches} * {draft_ahead}",
-                param="K_branches",
-            )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

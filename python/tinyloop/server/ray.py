@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import APIError
-from .cli import is_loopback
+from .config import is_loopback
 from .gate import replayed
 
 log = logging.getLogger("tinyloop.server.ray")
@@ -198,9 +198,9 @@ class Ingress:
             response = StreamingResponse(_rest(chunks, request.url.path), status_code=status)
             response.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
             return response
-        e = APIError(503, "no replica could take the request; try again", code="no_replica")
+        refused = APIError(503, "no replica could take the request; try again", code="no_replica")
         path = request.url.path
-        return JSONResponse(e.body_for(path), status_code=e.status_for(path))
+        return JSONResponse(refused.body_for(path), status_code=refused.status_for(path))
 
 
 async def _rest(chunks, path: str) -> AsyncIterator[bytes]:

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._core import Engine, TinyloopError
 from ..errors import APIError
@@ -28,10 +28,18 @@ from .gate import InFlight
 from .metrics import Metrics
 from .runner import EngineRunner, release_all_memory
 
-if TYPE_CHECKING:
-    from .state import ServerState
-
 log = logging.getLogger("tinyloop.server")
+
+
+class Resident(Protocol):
+    """What residency changes of the server's state (`state.ServerState`): the loaded model, its engine thread, its
+    id, and why it failed to load."""
+
+    engine: Engine | None
+    runner: EngineRunner | None
+    model_id: str
+    load_error: str | None
+
 
 SWITCH_POLL_SECONDS = 0.01  # how often a pending model switch looks whether the old model's requests have ended
 
@@ -85,7 +93,7 @@ class Residency:
         self._blocked = 0  # requests waiting in `ensure` (counted in flight, but not using an engine)
         self._switching = False
 
-    def resolve(self, state: ServerState, name: str | None) -> str:
+    def resolve(self, state: Resident, name: str | None) -> str:
         """The id of the model a request gets: the one it names (`named` only; 404 for a name not in the catalog),
         else the resident one, else the default."""
         if self.named and name is not None:
@@ -100,7 +108,7 @@ class Residency:
             return name
         return state.model_id if state.engine is not None else self.default
 
-    async def ensure(self, state: ServerState, name: str | None = None) -> None:
+    async def ensure(self, state: Resident, name: str | None = None) -> None:
         """Make the model the request gets resident, switching models once the requests using the resident one have
         ended (a failed load is a 503 with the reason, and is retried by the next request)."""
         want = self.resolve(state, name)
@@ -118,7 +126,7 @@ class Residency:
         finally:
             self._blocked -= 1
 
-    async def _switch_out(self, state: ServerState) -> None:
+    async def _switch_out(self, state: Resident) -> None:
         """Unload the resident model once no request is in flight but those waiting here (new requests wait too,
         rather than keep the old model busy for ever)."""
         self._switching = True
@@ -129,7 +137,7 @@ class Residency:
         finally:
             self._switching = False
 
-    async def _load_into(self, state: ServerState, want: str) -> None:
+    async def _load_into(self, state: Resident, want: str) -> None:
         started = time.monotonic()
         try:
             state.engine, state.runner = await asyncio.get_running_loop().run_in_executor(
@@ -142,7 +150,7 @@ class Residency:
         self.metrics.model_resident.set(1)
         log.info("model %s loaded in %.2f s", want, time.monotonic() - started)
 
-    async def _drop(self, state: ServerState) -> None:
+    async def _drop(self, state: Resident) -> None:
         runner = state.runner
         state.engine, state.runner = None, None  # in this step of the loop: no request can pick them up now
         self.metrics.model_resident.set(0)
@@ -150,7 +158,7 @@ class Residency:
             await asyncio.get_running_loop().run_in_executor(None, _release, runner)
         log.info("model %s unloaded", state.model_id)
 
-    async def unload(self, state: ServerState, own: int = 0) -> bool:
+    async def unload(self, state: Resident, own: int = 0) -> bool:
         """Unload the model if it is resident and no request but `own` others (the caller's) is in flight; whether
         it was unloaded."""
         async with self._lock:
@@ -160,11 +168,11 @@ class Residency:
             await self._drop(state)
             return True
 
-    def listed(self, state: ServerState) -> list[str]:
+    def listed(self, state: Resident) -> list[str]:
         """The ids `/v1/models` lists."""
         return sorted(self.catalog) if self.named else [state.model_id]
 
-    async def watch_idle(self, state: ServerState) -> None:
+    async def watch_idle(self, state: Resident) -> None:
         """Unload the model once `idle_seconds` have passed since a request last needed it and the engine has
         nothing to do (runs for the server's lifetime). Probes and metrics scrapes do not count as use: a
         liveness probe every second must not keep a model loaded. The unload itself still waits for a moment with

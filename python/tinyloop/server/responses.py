@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter
@@ -16,10 +16,11 @@ from pydantic import Field, model_validator
 
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, Generation, Grammar
 from ..errors import APIError
-from .depth import DepthFields, depth_of
+from .depth import DepthFields
 from .generation import ChoiceRun
-from .protocol import MAX_TOKENS_LIMIT, ChatMessage, OpenAISampling, with_drafts
+from .protocol import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, ChatMessage
 from .request import Plan, RunningRequest, respond, tokenize
+from .sampling import Sampling, drafts
 from .state import ServerState, State
 from .strict import Strict, ranged
 from .structured import NAME_PATTERN, schema_grammar
@@ -43,7 +44,7 @@ router = APIRouter()
 INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
 
-class TextPart(Strict):
+class ContentPart(Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None  # on output_text parts a client sends back; nothing to do with them
@@ -59,7 +60,7 @@ class Item(Strict):
 class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
 
 
 class FunctionCallItem(Item):
@@ -136,7 +137,9 @@ class ResponsesRequest(DepthFields):
 
     def check(self, max_tokens_limit: int) -> None:
         self.check_ranges()
-        if self.max_output_tokens is not None and self.max_output_tokens > max_tokens_limit:
+        if self.max_output_tokens is None:
+            self.max_output_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+        if self.max_output_tokens > max_tokens_limit:
             raise APIError(400, f"max_output_tokens must be at most {max_tokens_limit}", param="max_output_tokens")
         if self.store:
             raise APIError(400, "store: true is not supported: tinyloop keeps no responses", param="store")
@@ -194,17 +197,13 @@ class ResponsesRequest(DepthFields):
         tools = self.tool_use()
         return schema_grammar(self.text_schema()) if tools is None else tools.grammar(self.text_schema())
 
-    def generation(self, defaults: dict[str, Any]) -> Generation:
-        """The request's generation; `defaults` (the server's and the model file's) fill the sampling fields this
-        family has no field for, as they do on chat."""
-        sampling = OpenAISampling.model_validate(
-            {"model": self.model, "temperature": self.temperature, "top_p": self.top_p}
-            | self.depth_fields()
-            | ({"max_tokens": self.max_output_tokens} if self.max_output_tokens else {})
-        )
-        sampling.with_defaults(defaults)
-        g = sampling.generations()[0]
-        return Generation(g.params, loops=depth_of(g), grammar=self.grammar())
+    def generation(self, defaults: Mapping[str, Any], default_loops: int) -> Generation:
+        """The request's generation, built once: its own sampling fields, the `defaults` (the server's and the model
+        file's) for those this family has no field for, its depth and drafts."""
+        own = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
+        sampling = Sampling.of(own, {k: v for k, v in defaults.items() if k != "max_tokens"})
+        spec = drafts(self, self.draft_loops, self.draft_ahead, default_loops, sampling.temperature)
+        return Generation(sampling.params(), loops=self.loop_arg_for(spec), speculative=spec, grammar=self.grammar())
 
 
 async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
@@ -216,7 +215,7 @@ async def plan(state: ServerState, req: ResponsesRequest) -> Plan:
     tools = req.tool_use()
     param = "tools" if tools and tools.forced else "text.format"
     engine, _ = state.require_engine()
-    generation = with_drafts(req.generation(defaults), req.draft_loops, req.draft_ahead, engine.info.default_loops)
+    generation = req.generation(defaults, engine.info.default_loops)
     mode = "generate" if req.draft_loops is None else "speculative"
     return Plan(prompts, [generation], mode, chat.stops, lstrip=True, grammar_param=param)
 
