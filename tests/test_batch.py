@@ -98,7 +98,7 @@ def test_a_full_server_answers_503_with_retry_after(tiny_engine):
     choices, then refuses the next request in the API's shape, with Retry-After."""
     import asyncio
 
-    from tinyloop.errors import APIError
+    from tinyloop.server.errors import APIError
     from tinyloop.server.metrics import Metrics
     from tinyloop.server.openai import completion_plan
     from tinyloop.server.protocol import CompletionRequest

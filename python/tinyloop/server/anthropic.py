@@ -14,8 +14,8 @@ from fastapi import APIRouter
 from pydantic import Field
 
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, MAX_TOP_K, Generation, Grammar
-from ..errors import APIError
 from .depth import DepthFields
+from .errors import APIError
 from .generation import ChoiceRun
 from .protocol import MAX_TOKENS_LIMIT, ChatMessage
 from .request import Plan, RunningRequest, respond, tokenize

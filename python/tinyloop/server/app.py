@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from .._core import Engine, EngineError, TinyloopError, num_threads
-from ..errors import APIError
 from . import anthropic, compact, lmstudio, native, openai, page, profiling, responses, tokens
 from .config import ServerConfig
 from .defaults import ConfigError, load_defaults
+from .errors import APIError
 from .gate import Gate, InFlight
 from .lifecycle import install_drain
 from .metrics import Metrics

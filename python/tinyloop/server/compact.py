@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..errors import APIError
+from .errors import APIError
 from .responses import FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ResponsesRequest
 from .state import State
 from .strict import Strict

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from .._core import MAX_LOOPS, MAX_TOP_K
-from ..errors import APIError
+from .errors import APIError
 from .protocol import MAX_TOKENS_LIMIT, SEED_MAX
 from .strict import Strict, ranged
 

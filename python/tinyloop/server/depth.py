@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from .._core import MAX_LOOPS, AutoDepth, Speculative
-from ..errors import APIError
+from .errors import APIError
 from .strict import Strict, ranged
 
 AUTO = "auto"

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import APIError
+from .errors import APIError
 from .metrics import Metrics
 from .page import PUBLIC_PATHS
 

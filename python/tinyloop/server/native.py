@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..errors import APIError
+from .errors import APIError
 from .protocol import GenerateRequest, SpeculativeRequest, TreeSpeculativeRequest
 from .request import Plan, RunningRequest, respond, tokenize
 from .sse import SSE_DONE, sse, stream_error

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..errors import APIError
+from .errors import APIError
 from .generation import ChoiceRun
 from .logprobs import Echo, Entry, chat_content, completion_lists, echo
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling

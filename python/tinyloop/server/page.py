@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from ..errors import APIError
+from .errors import APIError
 
 router = APIRouter()
 

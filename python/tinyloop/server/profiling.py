@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi import APIRouter
 
 from .._core import start_profile, stop_profile
-from ..errors import APIError
+from .errors import APIError
 from .state import State
 
 router = APIRouter()

@@ -29,8 +29,8 @@ from .._core import (
     SamplingParams,
     Speculative,
 )
-from ..errors import APIError
 from .depth import DepthFields
+from .errors import APIError
 from .sampling import Sampling, check_speculative
 from .strict import Strict, ranged
 from .strict import check_range as _range

@@ -34,8 +34,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import APIError
 from .config import is_loopback
+from .errors import APIError
 from .gate import replayed
 
 log = logging.getLogger("tinyloop.server.ray")

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi.responses import Response
 
 from .._core import ContextLengthError, Generation, InvalidRequestError
-from ..errors import APIError
 from . import depth
+from .errors import APIError
 from .generation import ChoiceRun
 from .logprobs import Echo
 from .protocol import usage

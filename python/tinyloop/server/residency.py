@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .._core import Engine, TinyloopError
-from ..errors import APIError
+from .errors import APIError
 from .gate import InFlight
 from .metrics import Metrics
 from .runner import EngineRunner, release_all_memory

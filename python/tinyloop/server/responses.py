@@ -15,8 +15,8 @@ from fastapi import APIRouter
 from pydantic import Field, model_validator
 
 from .._core import MAX_DRAFT_AHEAD, MAX_DRAFT_LOOPS, Generation, Grammar
-from ..errors import APIError
 from .depth import DepthFields
+from .errors import APIError
 from .generation import ChoiceRun
 from .protocol import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, ChatMessage
 from .request import Plan, RunningRequest, respond, tokenize

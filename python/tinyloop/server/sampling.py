@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core import MAX_TREE_ROWS, SamplingParams, Speculative
-from ..errors import APIError
 from .depth import DepthFields
+from .errors import APIError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from fastapi.responses import StreamingResponse
 
-from ..errors import error_body
+from .errors import error_body
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 
 from .. import __version__
 from .._core import Engine, isa
-from ..errors import APIError
+from .errors import APIError
 from .protocol import MAX_TOKENS_LIMIT
 from .residency import NO_LOAD, Residency
 from .runner import EngineRunner

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import APIError
+from .errors import APIError
 
 
 def ranged(default: Any, lo: float, hi: float) -> Any:

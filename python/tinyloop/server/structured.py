@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from .._core import Grammar
-from ..errors import APIError
+from .errors import APIError
 from .strict import Strict
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names

@@ -17,7 +17,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import APIError
+from .errors import APIError
 from .protocol import ChatMessage
 from .tools import ToolUse, render_calls
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from ..errors import APIError
+from .errors import APIError
 from .state import State
 from .strict import Strict
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import Field
 
 from .._core import Grammar
-from ..errors import APIError
+from .errors import APIError
 from .strict import Strict
 from .structured import NAME_PATTERN, closed
 
