@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--base", help="a running server's root URL (default: start the default model's)")
     ap.add_argument("--only", default="", help="run only the cases whose id contains this")
     ap.add_argument("-v", "--verbose", action="store_true", help="each failure's traceback and exchanges")
+    ap.add_argument("--json", type=Path, help="also write each case's outcome here (tests/test_clients.py reads it)")
     args = ap.parse_args()
     cases = [c for c in all_cases() if args.only in c.id]
     missing = sorted({c.client for c in cases if importlib.util.find_spec(c.module) is None})
@@ -51,6 +53,9 @@ def main() -> int:
             bar.set_description(c.id[:40])
             outcomes.append(run_case(c, env))
     print(table(outcomes))
+    if args.json:
+        rows = [{"id": o.case.id, "passed": o.passed, "report": o.report()} for o in outcomes]
+        args.json.write_text(json.dumps(rows, indent=1))
     if missing:
         print(f"not installed (skipped): {', '.join(missing)}")
     passed = sum(o.passed for o in outcomes)

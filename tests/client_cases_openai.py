@@ -47,8 +47,8 @@ def _agents_model(env: Env, kind: str) -> Any:
 def _agents_run(agent: Any, stream: bool) -> Any:
     from agents import Runner
 
-    if not stream:
-        return Runner.run_sync(agent, WEATHER_PROMPT, max_turns=2).final_output
+    if not stream:  # asyncio.run, not Runner.run_sync: that one leaves its event loop (and its sockets) open
+        return asyncio.run(Runner.run(agent, WEATHER_PROMPT, max_turns=2)).final_output
 
     async def streamed() -> Any:
         result = Runner.run_streamed(agent, WEATHER_PROMPT, max_turns=2)
@@ -94,7 +94,7 @@ def _agents_output(env: Env, kind: str) -> str:
         output_type=Person,
         model_settings=ModelSettings(temperature=0, max_tokens=STRUCTURED_MAX_TOKENS),
     )
-    return check_person(Runner.run_sync(agent, PERSON_PROMPT, max_turns=1).final_output)
+    return check_person(asyncio.run(Runner.run(agent, PERSON_PROMPT, max_turns=1)).final_output)
 
 
 @case("openai-agents", "Responses model, function tool", "agents")
