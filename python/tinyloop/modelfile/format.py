@@ -163,9 +163,9 @@ def model_contents(
         meta[f"{ARCH}.loop_norm"] = (True, V.BOOL)
     if cfg.exit_threshold is not None:
         meta[f"{ARCH}.exit_threshold"] = (float(cfg.exit_threshold), V.FLOAT32)
-    for key, value in (cfg.rope_scaling or {}).items():
-        vtype = V.STRING if isinstance(value, str) else V.UINT32 if isinstance(value, int) else V.FLOAT32
-        meta[f"{ARCH}.rope.scaling.{key}"] = (value, vtype)
+    for key, scaling in (cfg.rope_scaling or {}).items():
+        vtype = V.STRING if isinstance(scaling, str) else V.UINT32 if isinstance(scaling, int) else V.FLOAT32
+        meta[f"{ARCH}.rope.scaling.{key}"] = (scaling, vtype)
     meta.update(
         {
             "tokenizer.ggml.model": ("gpt2", V.STRING),

@@ -119,12 +119,12 @@ def read_vocabulary(directory: Path, rows: int) -> Vocabulary:
         tokens[i], types[i] = text, NORMAL
     for i, text in added.items():
         tokens[i], types[i] = text, CONTROL
-    tokens = [t if t is not None else f"<|unused_{i}|>" for i, t in enumerate(tokens)]
+    names = [t if t is not None else f"<|unused_{i}|>" for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
     config = _load(directory / "tokenizer_config.json")
     generation = _load(directory / "generation_config.json")
-    ids = {t: i for i, t in enumerate(tokens)}
+    ids = {t: i for i, t in enumerate(names)}
 
     def special(name: str) -> int | None:
         text = _token_text(config.get(name))
@@ -140,7 +140,7 @@ def read_vocabulary(directory: Path, rows: int) -> Vocabulary:
     bos = special("bos_token")
     bos_text = _token_text(config.get("bos_token"))
     return Vocabulary(
-        tokens,
+        names,
         types,
         merges,
         eos_token_id=eos,

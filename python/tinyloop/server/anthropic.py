@@ -136,7 +136,8 @@ class Conversation(Strict):
             for t in self.tools or []
         ]
         spec = self.tool_choice
-        choice = {None: None, "auto": "auto", "any": "required", "none": "none"}.get(spec.type if spec else None)
+        kinds = {"auto": "auto", "any": "required", "none": "none"}
+        choice: str | NamedToolChoice | None = kinds.get(spec.type) if spec else None
         if spec is not None and spec.type == "tool":
             if spec.name is None:
                 raise APIError(400, "tool_choice of type tool needs a name")

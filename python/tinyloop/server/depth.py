@@ -34,7 +34,7 @@ class DepthFields(Strict):
 
     def loop_arg(self, verify_loops: int | None = None) -> int | AutoDepth | None:
         """What `Generation(loops=...)` takes for this request (speculative: up to `verify_loops`)."""
-        if self.loops != AUTO:
+        if self.loops is None or isinstance(self.loops, int):
             return self.loops
         return AutoDepth(
             min_loops=self.min_loops or AutoDepth().min_loops,

@@ -4,6 +4,7 @@ each token is named by its text (bytes that are not whole UTF-8 characters shown
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ def chat_content(engine: Engine, tokens: list[int], entries: list[Entry]) -> lis
     return out
 
 
-def completion_lists(engine: Engine, tokens: list[int], entries: list[Entry | None], offset: int) -> dict[str, Any]:
+def completion_lists(engine: Engine, tokens: list[int], entries: Sequence[Entry | None], offset: int) -> dict[str, Any]:
     """`choices[i].logprobs` of completions: tokens, token_logprobs, top_logprobs (a dict per token) and text_offset
     (each token's start in the choice's text, counting from `offset`); an echoed prompt's first token has nulls."""
     names, offsets, position = [], [], offset

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +45,9 @@ async def completion_plan(state: ServerState, req: CompletionRequest) -> Plan:
     if isinstance(p, str):
         prompts = await tokenize(state, [p])
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
+        prompts = [[x for x in p if isinstance(x, int)]]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        prompts = [list(x) for x in p if isinstance(x, list)]
     elif p:
         prompts = await tokenize(state, list(p))  # type: ignore[arg-type]
     else:
@@ -136,7 +136,7 @@ def _echoed(r: RunningRequest, choice: int) -> Echo:
 
 
 def _completion_logprobs(
-    req: CompletionRequest, c: ChoiceRun, tokens: list[int], entries: list[Entry | None], offset: int
+    req: CompletionRequest, c: ChoiceRun, tokens: list[int], entries: Sequence[Entry | None], offset: int
 ) -> dict[str, Any] | None:
     if req.wanted_logprobs() is None:
         return None

@@ -139,7 +139,7 @@ class OpenAISampling(DepthFields):
 
     def text_schema(self) -> dict[str, Any] | None:
         """The schema a text answer must match (`response_format`), if any."""
-        return self.response_format.schema() if self.response_format else None
+        return self.response_format.document_schema() if self.response_format else None
 
     def grammar_param(self) -> str:
         """The field a grammar compile error names."""

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -117,8 +117,8 @@ class Replica:
         gone = asyncio.Event()
         receive = replayed(body, gone)
 
-        async def send(message: dict) -> None:
-            await out.put(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await out.put(dict(message))
 
         task = asyncio.ensure_future(self.app({**scope, "app": self.app, "state": {}}, receive, send))
         try:
@@ -165,7 +165,8 @@ async def mirror_metrics(registry: CollectorRegistry, every: float = 2.0) -> Non
                 gauge = gauges.get(sample.name)
                 if gauge is None:
                     keys = tuple(sorted(sample.labels))
-                    gauge = gauges[sample.name] = Gauge(sample.name, family.documentation, tag_keys=keys)
+                    # Ray's annotation says a 1-tuple; any tuple of names is what it takes.
+                    gauge = gauges[sample.name] = Gauge(sample.name, family.documentation, tag_keys=keys)  # type: ignore[arg-type]
                 gauge.set(sample.value, tags=dict(sample.labels))
         await asyncio.sleep(every)
 
@@ -184,7 +185,7 @@ class Ingress:
         for attempt in range(ATTEMPTS):
             chunks = self.replicas.remote(scope, body, affinity=key)
             try:
-                status, headers = await chunks.__anext__()
+                status, headers = await chunks.__anext__()  # type: ignore[union-attr]  # a streaming handle
             except _LOST as e:
                 log.warning(
                     "replica lost before %s %s started (try %d): %s",
@@ -219,6 +220,7 @@ def lost_stream_event(path: str) -> bytes:
     """The event that ends a stream whose replica was lost: Anthropic's and the Responses API's `error` events,
     else the OpenAI-style `data: {"error": ...}` and `[DONE]`."""
     message = "the replica serving this stream was lost; retry the request"
+    data: dict[str, Any]
     if path.startswith("/v1/messages"):
         data = {"type": "error", "error": {"type": "api_error", "message": message}}
         return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
@@ -238,12 +240,12 @@ def application(replicas: int, num_cpus: float = 1.0, env: dict[str, str] | None
         num_replicas=replicas,
         max_ongoing_requests=64,
         ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": env}},
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
+        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),  # type: ignore[arg-type]
         health_check_period_s=2,
         health_check_timeout_s=10,
     )
     ingress = serve.deployment(Ingress, num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind())
+    return ingress.bind(replica.bind())  # type: ignore[attr-defined]  # serve.deployment(cls) is a Deployment
 
 
 def app_builder(args: dict[str, str]) -> serve.Application:

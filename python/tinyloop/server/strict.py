@@ -37,7 +37,7 @@ class Strict(BaseModel):
                 continue
             extra = fields[name].json_schema_extra
             ranged_field = isinstance(extra, dict) and "minimum" in extra and not isinstance(value, str)
-            if ranged_field and not extra["minimum"] <= value <= extra["maximum"]:  # type: ignore[index,operator]
+            if ranged_field and not extra["minimum"] <= value <= extra["maximum"]:  # type: ignore[index]
                 continue
             setattr(self, name, value)
 

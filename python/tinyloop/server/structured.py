@@ -27,7 +27,7 @@ class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
-    def schema(self) -> dict[str, Any] | None:
+    def document_schema(self) -> dict[str, Any] | None:
         """The schema the output must match; None for plain text."""
         if self.type == "text":
             return None
