@@ -1,5 +1,5 @@
 //! One error type for the crate. Every failure a caller can cause (a bad file, a bad argument, a prompt too long)
-//! is a typed variant; `py.rs` maps each kind to its own Python exception.
+//! is a typed variant; `py/errors.rs` maps each kind to its own Python exception.
 
 use std::path::PathBuf;
 

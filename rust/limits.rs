@@ -1,4 +1,4 @@
-//! Every limit tinyloop enforces or sizes a buffer by, in one place. `py.rs` exports the API-facing ones to Python
+//! Every limit tinyloop enforces or sizes a buffer by, in one place. `py/mod.rs` exports the API-facing ones to Python
 //! (`tinyloop._core.MAX_LOOPS`, …) so the HTTP schema checks the same numbers. Tile sizes internal to a kernel
 //! (`PANEL`, `MR`, `LANES`, `ROWS`, `QK`) stay beside that kernel.
 
