@@ -12,6 +12,8 @@ mod engine;
 mod generator;
 mod plan;
 mod seq;
+#[cfg(test)]
+mod tests;
 mod tree;
 
 pub use engine::{kv_kind_for_mode, Engine, PromptCache};
