@@ -92,3 +92,33 @@ def test_the_flag_and_its_variable(tiny):
     with running_server(tiny.path, "--always-include-usage") as base:
         assert raw_chunks(base, "/v1/chat/completions", CHAT)[-1]["choices"] == []
     assert not ServerConfig().always_include_usage
+
+
+def test_a_chunk_goes_out_before_the_next_is_made():
+    """Only a finish_reason chunk waits (it may be the stream's last, which carries LM Studio's sections): a content
+    chunk is sent before the generation makes the next one, so framing adds no token of latency."""
+    import asyncio
+
+    from tinyloop.server.openai import Framing
+    from tinyloop.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    sent: list[bytes] = []
+
+    class Ended:
+        def error(self) -> None:
+            return None
+
+    async def chunks():
+        yield [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]
+        assert len(sent) == 1, "the content chunk waited for the next one"
+        yield [{"index": 0, "delta": {}, "finish_reason": "length"}]
+        assert len(sent) == 1  # the finish chunk is held until the end is known
+
+    async def main():
+        async for event in Framing().frame(req, "chat.completion.chunk", "chatcmpl-", Ended(), chunks()):
+            sent.append(event)
+
+    asyncio.run(main())
+    assert [json.loads(e.removeprefix(b"data: "))["choices"][0]["finish_reason"] for e in sent[:2]] == [None, "length"]
+    assert sent[-1] == b"data: [DONE]\n\n" and len(sent) == 3

@@ -176,11 +176,17 @@ class Framing:
         base = {"id": new_id(prefix), "object": obj, "created": int(time.time()), "model": req.model}
         usage = self.always_usage or bool(req.stream_options and req.stream_options.include_usage)
         nulls = {"usage": None} if usage else {}
-        last: Choices | None = None  # held back: the last chunk before the end gets the sections
+        # A finish_reason chunk is held back until the next one is known (the stream's last gets the sections);
+        # every other chunk goes out at once.
+        last: Choices | None = None
         async for choices in chunks:
             if last is not None:
                 yield sse({**base, "choices": last, **nulls})
-            last = choices
+                last = None
+            if any(c.get("finish_reason") is not None for c in choices):
+                last = choices
+            else:
+                yield sse({**base, "choices": choices, **nulls})
         more = self.sections(r) if self.sections else {}
         if last is not None:
             yield sse({**base, "choices": last, **nulls, **({} if usage else more)})
