@@ -104,5 +104,6 @@ def test_profile(benchmark, case):
         ms_per_token={stage: 1e3 * s / produced for stage, s in best.items()},
         bytes_per_token=(w["prelude"] + loops * w["block"] + w["head"]) / streams,
         block_bytes=w["block"] / streams,
+        head_bytes=w["head"] / streams,
         multiply_adds=multiply_adds(engine.info, loops),
     )

@@ -48,7 +48,12 @@ def machine_limits(data: dict) -> None:
     bandwidth = limits.get("test_read_bandwidth", {}).get("gb_per_s", "?")
     gflops = limits.get("test_f32_flops", {}).get("gflops", "?")
     print("| limit | measured |\n|---|---|")
-    print(f"| read bandwidth | {bandwidth} GB/s |\n| f32 FLOP rate | {gflops} GFLOP/s |\n")
+    print(f"| read bandwidth | {bandwidth} GB/s |\n| f32 FLOP rate | {gflops} GFLOP/s |")
+    for name, e in sorted(limits.items()):
+        if name.startswith("test_cache_bandwidth"):
+            per = f"{e['bytes_per_thread'] >> 10} KiB per thread"
+            print(f"| L{e['level']} read bandwidth, {e['threads']} thread(s) ({per}) | {e['gb_per_s']} GB/s |")
+    print()
 
 
 def main(path: str) -> None:

@@ -64,6 +64,60 @@ def main(path: str) -> None:
             f"{gbs:.1f} | "
             f"{bw} | {matmul_gbs:.1f} | {achieved:.1f} | {peak} |"
         )
+    levels(data, cases, bandwidth)
+
+
+def served_from(bytes_: float, caches: dict[int, dict], threads: int) -> int:
+    """The level a working set of `bytes_` split across `threads` cores is read from: 2, 3, or 4 for memory."""
+    if 2 in caches and bytes_ / threads <= 0.75 * caches[2]["cache_bytes"]:
+        return 2
+    if 3 in caches and bytes_ <= 0.5 * caches[3]["cache_bytes"]:
+        return 3
+    return 4
+
+
+def levels(data: dict, cases: list[dict], dram: float | None) -> None:
+    """Per decode case: the block's matmuls and the head beside the bandwidth of the level their weights come from
+    (every core reading; the block's weights split across the cores, each core the same share every loop)."""
+    caches = {
+        b["extra_info"]["level"]: b["extra_info"]
+        for b in data["benchmarks"]
+        if b["name"].startswith("test_cache_bandwidth") and b["extra_info"].get("threads", 1) > 1
+    }
+    if not caches:
+        return
+    threads = max(c["threads"] for c in caches.values())
+    rate = {2: caches.get(2, {}).get("gb_per_s"), 3: caches.get(3, {}).get("gb_per_s"), 4: dram}
+    name = {2: "L2", 3: "L3", 4: "memory"}
+
+    def frac(gbs: float, level: int) -> str:
+        return f"{gbs / rate[level]:.0%}" if rate[level] else "?"
+
+    print(
+        "\n"
+        + ", ".join(
+            f"{name[lv]} {c['gb_per_s']} GB/s ({threads} threads, {c['cache_bytes'] >> 20} MB)"
+            for lv, c in caches.items()
+        )
+        + f", memory {dram} GB/s (bench_machine.py, same run)\n"
+    )
+    print(
+        "| model | streams | loops | sampling | block MB per loop | read from | matmul GB/s | ÷ level | head MB "
+        "| read from | head GB/s | ÷ level |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for e in cases:
+        if e["sampling"] not in ("greedy", "temperature 1"):
+            continue
+        ms = e["ms_per_token"]
+        block, head = e["block_bytes"] * e["streams"], e["head_bytes"] * e["streams"]
+        lb, lh = served_from(block, caches, threads), served_from(head, caches, threads)
+        mm = e["block_bytes"] * e["loops"] / ms["matmul"] / 1e6
+        hd = e["head_bytes"] / ms["head"] / 1e6
+        print(
+            f"| {e['model']} | {e['streams']} | {e['loops']} | {e['sampling']} | {block / 1e6:.1f} | {name[lb]} | "
+            f"{mm:.1f} | {frac(mm, lb)} | {head / 1e6:.1f} | {name[lh]} | {hd:.1f} | {frac(hd, lh)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 //! place); `kernels` (panel matmuls, f16 attention, vector math); `kv` (the cache and attention over it); `model`
 //! (config, layers, RoPE, the forward pass); `loader` (the `.tinyloop` GGUF file, docs/format.md); `tokenizer`
 //! (GPT-2 byte-level BPE); `grammar` (JSON schema / Lark / regex to token masks, through llguidance); `sampler`
-//! (logits to tokens); `profile` (wall time per stage of a step); `generate` (`Engine`, `Generation`, `Generator`: plain,
+//! (logits to tokens); `profile` (wall time per stage of a step); `probe` (read bandwidth, for the benches); `generate` (`Engine`, `Generation`, `Generator`: plain,
 //! speculative and batched generation, docs/engine.md).
 //! `py` (feature `python`) is the only place that knows about Python. No module imports one that imports it back
 //! (`scripts/rust-imports.py` checks).
@@ -18,6 +18,7 @@ pub mod kv;
 pub mod limits;
 pub mod loader;
 pub mod model;
+pub mod probe;
 pub mod profile;
 pub mod sampler;
 pub mod tokenizer;

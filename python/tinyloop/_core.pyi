@@ -63,6 +63,10 @@ def isa() -> str:
     """The instruction-set level the kernels run at: "avx512+vnni", "avx512", "avx2", "neon+dotprod", "neon" or
     "scalar" (the best the CPU has, or lower as TINYLOOP_ISA asks)."""
 
+def read_bandwidth(bytes: int, threads: int, passes: int = 5) -> float:
+    """GB/s of `threads` threads each reading a buffer of `bytes` of its own, over and over: the bandwidth of the
+    cache level (or memory) that working set lives in."""
+
 def num_threads() -> int:
     """Threads the engine computes on (RAYON_NUM_THREADS when the module first computes, else one per core)."""
 

@@ -12,6 +12,7 @@ pub mod isa;
 pub mod logits;
 pub(crate) mod panels;
 pub mod simd;
+pub(crate) mod team;
 
 /// A weight held by one of tinyloop's own kernels: `(rows, width)`.
 pub trait Kernel: Send + Sync {

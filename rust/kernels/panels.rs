@@ -6,12 +6,15 @@
 //! end (4 × 4 dot-product blocks spend as much on those as on the multiply-adds at k = 256), and an
 //! output's arithmetic is the same whichever rows it is multiplied with — batched == solo, bit for bit.
 //!
-//! `panels` spreads the panels over the rayon pool (above `PARALLEL_MIN` multiply-adds) and, inside a panel, runs
-//! the input rows in blocks of up to `MR` through the kernel, writing the valid columns straight into the output.
+//! `panels` splits the panels across the `team` (above `TEAM_MIN` multiply-adds; one contiguous share per core, the
+//! same share each call), else spreads them over the rayon pool (above `PARALLEL_MIN`, on rayon's own threads), and
+//! inside a panel runs the input rows in blocks of up to `MR` through the kernel, writing the valid columns straight
+//! into the output.
 
 use rayon::prelude::*;
 
-use crate::limits::PARALLEL_MIN;
+use super::team;
+use crate::limits::{PARALLEL_MIN, TEAM_MIN};
 
 /// Output rows per panel (four 16-lane vectors).
 pub(crate) const PANEL: usize = 64;
@@ -73,6 +76,13 @@ pub(crate) fn panels<K: PanelKernel>(kernel: &K, m: usize, n: usize, macs: usize
         }
     };
     let count = n.div_ceil(PANEL);
+    let parts = |range: std::ops::Range<usize>| {
+        let mut scratch = K::Scratch::default();
+        range.for_each(|p| run(&mut scratch, p));
+    };
+    if count >= 2 && macs >= TEAM_MIN && team::spread(count, &parts) {
+        return;
+    }
     if macs >= PARALLEL_MIN {
         (0..count).into_par_iter().for_each_init(K::Scratch::default, run);
     } else {

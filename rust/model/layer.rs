@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::config::Config;
-use super::linear::Linear;
+use super::linear::{Group, Linear};
 use super::norm::rms_norm;
 use super::rope::Rope;
 use super::rows::SeqChunk;
@@ -20,17 +20,16 @@ use crate::profile::{self, Stage};
 
 pub(super) struct Layer {
     attn_norm: Vec<f32>,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    /// Q, K, V.
+    qkv: Group,
     /// Q, K and V biases, when the file has them (Qwen2's layers).
     bias: Option<[Vec<f32>; 3]>,
     wo: Linear,
     ffn_norm: Vec<f32>,
     /// Norms of the attention and feed-forward outputs before the residual adds, when the file has them.
     post_norms: Option<[Vec<f32>; 2]>,
-    gate: Linear,
-    up: Linear,
+    /// Gate, up.
+    gate_up: Group,
     down: Linear,
 }
 
@@ -40,6 +39,11 @@ pub(super) fn take(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result
 
 fn matmul(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Linear> {
     Linear::new(Arc::new(take(tensors, name)?))
+}
+
+/// Layer `p`'s weights `names` (which multiply the same input) as one group.
+fn group<const N: usize>(tensors: &mut HashMap<String, QTensor>, p: &str, names: [&str; N]) -> Result<Group> {
+    Group::new(names.iter().map(|n| take(tensors, &format!("{p}.{n}.weight"))).collect::<Result<_>>()?)
 }
 
 pub(super) fn norm(tensors: &mut HashMap<String, QTensor>, name: &str) -> Result<Tensor> {
@@ -67,13 +71,10 @@ impl Layer {
             bias,
             post_norms,
             attn_norm: norm(t, &format!("{p}.attn_norm.weight"))?.to_vec1()?,
-            wq: matmul(t, &format!("{p}.attn_q.weight"))?,
-            wk: matmul(t, &format!("{p}.attn_k.weight"))?,
-            wv: matmul(t, &format!("{p}.attn_v.weight"))?,
+            qkv: group(t, p, ["attn_q", "attn_k", "attn_v"])?,
             wo: matmul(t, &format!("{p}.attn_output.weight"))?,
             ffn_norm: norm(t, &format!("{p}.ffn_norm.weight"))?.to_vec1()?,
-            gate: matmul(t, &format!("{p}.ffn_gate.weight"))?,
-            up: matmul(t, &format!("{p}.ffn_up.weight"))?,
+            gate_up: group(t, p, ["ffn_gate", "ffn_up"])?,
             down: matmul(t, &format!("{p}.ffn_down.weight"))?,
         })
     }
@@ -81,9 +82,9 @@ impl Layer {
     /// Whether every weight product runs tinyloop's own kernels (each row's output independent of the rows beside
     /// it, and run on the calling thread below `PARALLEL_MIN`).
     pub(super) fn own_kernels(&self) -> bool {
-        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
-            .iter()
-            .all(|w| matches!(w, Linear::Own(_)))
+        self.qkv.own_kernels()
+            && self.gate_up.own_kernels()
+            && [&self.wo, &self.down].iter().all(|w| matches!(w, Linear::Own(_)))
     }
 
     /// This layer over the rows of every sequence. Norms, residuals and the SwiGLU gate run here on plain rows (a
@@ -103,8 +104,7 @@ impl Layer {
         let att = product(&self.wo, &att, n)?;
         add_assign(&mut xs, &self.post_norm(0, att, cfg));
         let h = rms_norm(&xs, &self.ffn_norm, cfg.rms_eps);
-        let mut m = product(&self.gate, &h, n)?;
-        let up = product(&self.up, &h, n)?;
+        let [mut m, up]: [Vec<f32>; 2] = products(&self.gate_up, &h, n)?;
         silu_mul(&mut m, &up);
         let m = product(&self.down, &m, n)?;
         add_assign(&mut xs, &self.post_norm(1, m, cfg));
@@ -131,9 +131,8 @@ impl Layer {
         seqs: &mut [SeqChunk],
         slot: usize,
     ) -> Result<Vec<f32>> {
-        let mut q = product(&self.wq, h, n)?; // (n, nh*hd)
-        let mut k = product(&self.wk, h, n)?; // (n, nkv*hd)
-        let mut v = product(&self.wv, h, n)?; // (n, nkv*hd)
+        // (n, nh*hd), (n, nkv*hd), (n, nkv*hd)
+        let [mut q, mut k, mut v]: [Vec<f32>; 3] = products(&self.qkv, h, n)?;
         if let Some([bq, bk, bv]) = &self.bias {
             for (x, b) in [(&mut q, bq), (&mut k, bk), (&mut v, bv)] {
                 x.chunks_exact_mut(b.len()).for_each(|row| add_assign(row, b));
@@ -226,6 +225,12 @@ fn seqs_work(jobs: &[AttnJob], width: usize) -> usize {
 /// `x · Wᵀ` for the `n` rows of `x`, timed as the layers' weight products.
 fn product(w: &Linear, x: &[f32], n: usize) -> Result<Vec<f32>> {
     profile::time(Stage::Matmul, || w.forward_rows(x, n))
+}
+
+/// A group's products for the `n` rows of `x`, timed as the layers' weight products.
+fn products<const N: usize>(g: &Group, x: &[f32], n: usize) -> Result<[Vec<f32>; N]> {
+    let outs = profile::time(Stage::Matmul, || g.forward_rows(x, n))?;
+    outs.try_into().map_err(|_| Error::Internal("a weight group's size".into()))
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {

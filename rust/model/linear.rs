@@ -17,6 +17,7 @@ use crate::kernels::blockq::{Body, Codes, QMatrix};
 use crate::kernels::dense::{DenseMatrix, F16Matrix};
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use crate::kernels::isa;
+use crate::kernels::panels::PANEL;
 use crate::kernels::Kernel;
 
 #[derive(Clone)]
@@ -74,26 +75,40 @@ impl Linear {
     }
 
     pub fn new(t: Arc<QTensor>) -> Result<Self> {
-        Ok(match t.dtype() {
-            GgmlDType::F16 => Self::Own(Arc::new(F16Matrix::new(&t)?)),
-            // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
-            // with (from 5 rows on), which would let batch-mates change a request's output.
-            GgmlDType::F32 => Self::Own(Arc::new(DenseMatrix::<f32>::new(&t)?)),
+        if !Self::owns(&t)? {
+            return Ok(Self::Quantized(QMatMul::from_arc(t)?));
+        }
+        let own: Arc<dyn Kernel> = match t.dtype() {
+            GgmlDType::F16 => Arc::new(F16Matrix::new(&t)?),
+            GgmlDType::F32 => Arc::new(DenseMatrix::<f32>::new(&t)?),
             // BF16 widens to f32 exactly; the CPU has no bf16 kernel of its own (a device reads it as bf16).
             GgmlDType::BF16 => {
                 let wide = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::F32)?;
-                Self::Own(Arc::new(DenseMatrix::<f32>::new(&wide)?))
+                Arc::new(DenseMatrix::<f32>::new(&wide)?)
             }
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-            GgmlDType::Q4_0 if Body::best().is_some() => Self::Own(Arc::new(QMatrix::new(&t, Codes::Nibbles)?)),
+            GgmlDType::Q4_0 => Arc::new(QMatrix::new(&t, Codes::Nibbles)?),
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+            GgmlDType::Q8_0 => Arc::new(QMatrix::new(&t, Codes::Bytes)?),
+            dtype => return Err(Error::Internal(format!("no kernel of ours for {dtype:?}"))),
+        };
+        Ok(Self::Own(own))
+    }
+
+    /// Whether tinyloop's own kernels take `t` (else candle's `QMatMul` does).
+    fn owns(t: &QTensor) -> Result<bool> {
+        Ok(match t.dtype() {
+            // F32 too: candle's f32 GEMM gives a row different bits depending on how many rows it is multiplied
+            // with (from 5 rows on), which would let batch-mates change a request's output.
+            GgmlDType::F16 | GgmlDType::F32 | GgmlDType::BF16 => true,
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+            GgmlDType::Q4_0 => Body::best().is_some(),
             // With VNNI, Q8_0 keeps candle's repacked VNNI kernel where it applies (faster at one row than ours);
             // ours takes the shapes it does not (the default model's 704-wide ffn_down), and every shape below
             // AVX-512 (candle would still pick its AVX-512 code there, past a lower `TINYLOOP_ISA`).
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-            GgmlDType::Q8_0 if Body::best().is_some() && !(isa::vnni() && candle_repacks_q8_0(&t)?) => {
-                Self::Own(Arc::new(QMatrix::new(&t, Codes::Bytes)?))
-            }
-            _ => Self::Quantized(QMatMul::from_arc(t)?),
+            GgmlDType::Q8_0 => Body::best().is_some() && !(isa::vnni() && candle_repacks_q8_0(t)?),
+            _ => false,
         })
     }
 
@@ -142,6 +157,67 @@ impl Linear {
                 Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
             }
             Self::Device(_) => Err(on_device("an embedding lookup")),
+        }
+    }
+}
+
+/// Weights that multiply the same input (Q, K, V; gate, up), as one stacked weight where that gives every output
+/// the same bits (all of them tinyloop's own kernels, each a whole number of panels: each output's arithmetic is its
+/// own, whatever the rows beside it), else each apart. One product instead of three halves the hand-offs of a decode
+/// step's small products (`kernels::team`).
+pub enum Group {
+    Stacked(Linear, Vec<usize>),
+    Apart(Vec<Linear>),
+}
+
+impl Group {
+    pub fn new(parts: Vec<QTensor>) -> Result<Self> {
+        let widths: Vec<usize> = parts.iter().map(|t| t.shape().dims()[0]).collect();
+        let k = parts[0].shape().dims2()?.1;
+        let mut stack =
+            parts.iter().all(|t| t.dtype() == parts[0].dtype() && t.shape().dims2().is_ok_and(|d| d.1 == k))
+                && widths.iter().all(|n| n.is_multiple_of(PANEL));
+        for t in &parts {
+            stack = stack && Linear::owns(t)?;
+        }
+        if stack {
+            let mut bytes = Vec::new();
+            for t in &parts {
+                bytes.extend_from_slice(&t.data()?);
+            }
+            let stacked = qtensor_from_ggml(parts[0].dtype(), &bytes, vec![widths.iter().sum(), k], &Device::Cpu)?;
+            if Linear::owns(&stacked)? {
+                return Ok(Self::Stacked(Linear::new(Arc::new(stacked))?, widths));
+            }
+        }
+        Ok(Self::Apart(parts.into_iter().map(|t| Linear::new(Arc::new(t))).collect::<Result<_>>()?))
+    }
+
+    /// Whether every product runs tinyloop's own kernels.
+    pub fn own_kernels(&self) -> bool {
+        match self {
+            Self::Stacked(..) => true,
+            Self::Apart(each) => each.iter().all(|l| matches!(l, Linear::Own(_))),
+        }
+    }
+
+    /// Each member's `x · Wᵀ` for the `m` rows of `x`, in order.
+    pub fn forward_rows(&self, x: &[f32], m: usize) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Self::Apart(each) => each.iter().map(|l| l.forward_rows(x, m)).collect(),
+            Self::Stacked(l, widths) => {
+                let all = l.forward_rows(x, m)?;
+                let total: usize = widths.iter().sum();
+                let mut outs: Vec<Vec<f32>> = widths.iter().map(|w| Vec::with_capacity(m * w)).collect();
+                for row in all.chunks_exact(total) {
+                    let mut at = 0;
+                    for (out, &w) in outs.iter_mut().zip(widths) {
+                        out.extend_from_slice(&row[at..at + w]);
+                        at += w;
+                    }
+                }
+                Ok(outs)
+            }
         }
     }
 }
@@ -226,6 +302,31 @@ mod tests {
                     for j in 0..n {
                         let exact: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
                         assert!((all[i * n + j] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_stacked_group_gives_each_member_the_bits_it_gives_alone() {
+        let tensor = |n: usize, k: usize, seed: usize, dtype: GgmlDType| {
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 + seed * 131) % 1000) as f32 / 500.0 - 1.0).collect();
+            QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap()
+        };
+        for dtype in [GgmlDType::F16, GgmlDType::F32, GgmlDType::Q4_0, GgmlDType::Q8_0] {
+            for (widths, stacks) in [(vec![256, 64, 64], true), (vec![704, 704], true), (vec![64, 100], false)] {
+                let k = 256;
+                let members = || widths.iter().enumerate().map(|(s, &n)| tensor(n, k, s, dtype)).collect::<Vec<_>>();
+                let group = Group::new(members()).unwrap();
+                let alone: Vec<Linear> = members().into_iter().map(|t| Linear::new(Arc::new(t)).unwrap()).collect();
+                let own = alone.iter().all(|l| matches!(l, Linear::Own(_)));
+                assert_eq!(matches!(group, Group::Stacked(..)), stacks && own, "{dtype:?} {widths:?}");
+                for m in [1, 2, 7] {
+                    let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 400.0 - 1.2).collect();
+                    let got = group.forward_rows(&x, m).unwrap();
+                    for (g, l) in got.iter().zip(&alone) {
+                        assert_eq!(g, &l.forward_rows(&x, m).unwrap(), "{dtype:?} {widths:?} m {m}");
                     }
                 }
             }

@@ -41,7 +41,7 @@ use row_head::RowHead;
 pub use rows::{LogitRows, RowBlock, SeqChunk, TreeRows};
 
 use crate::error::Result;
-use crate::kernels::AttnShape;
+use crate::kernels::{team, AttnShape};
 use crate::kv::{KvCache, KvKind};
 use crate::limits::{MAX_LOOPS, SPLIT_MAX_BYTES};
 use crate::profile::{self, Stage};
@@ -270,9 +270,10 @@ impl Model {
             at += 1;
         }
         let (first, second) = blocks.split_at_mut(at);
+        // Each group has its thread: the matmuls inside stay on it (`team::alone`).
         let (a, b) = rayon::join(
-            || self.run_split(first, parts / 2),
-            || profile::muted(|| self.run_split(second, parts - parts / 2)),
+            || team::alone(|| self.run_split(first, parts / 2)),
+            || profile::muted(|| team::alone(|| self.run_split(second, parts - parts / 2))),
         );
         a.and(b)
     }

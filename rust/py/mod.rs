@@ -58,6 +58,14 @@ fn num_threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// GB/s of `threads` threads each reading a buffer of `bytes` of its own, over and over (`rust/probe.rs`): the
+/// bandwidth of the cache level (or memory) that working set lives in. With the GIL released.
+#[pyfunction]
+#[pyo3(signature = (bytes, threads, passes = 5))]
+fn read_bandwidth(py: Python<'_>, bytes: usize, threads: usize, passes: usize) -> f64 {
+    py.detach(|| crate::probe::read_bandwidth(bytes, threads, passes))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::allocator::configure_allocator();
@@ -67,6 +75,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(start_profile, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
+    m.add_function(wrap_pyfunction!(read_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(stop_profile, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PySamplingParams>()?;
