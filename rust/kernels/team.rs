@@ -37,6 +37,8 @@ fn spin() -> Duration {
         Duration::from_micros(us)
     })
 }
+/// How long a worker spins without yielding its core: the gaps between the products of one step.
+const HOT: Duration = Duration::from_micros(50);
 /// Most members (caller included): the parts to claim are the bits of one word.
 const MAX_MEMBERS: usize = usize::BITS as usize;
 
@@ -202,25 +204,36 @@ impl Team {
         }
     }
 
-    /// Spin until `bit` is open, for up to `spin()`; then sleep until a caller wakes this worker.
+    /// Spin until `bit` is open: for `HOT`, then yielding the core to any other ready thread between looks, up to
+    /// `spin()`; then sleep until a caller wakes this worker.
     fn wait_for(&self, bit: usize, me: &Worker) {
         let start = Instant::now();
         let mut spins = 0u32;
         while self.open.load(Ordering::Relaxed) & bit == 0 {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && start.elapsed() >= spin() {
-                // A caller stores `open` before it reads `sleeping` (both SeqCst): either it sees this flag and
-                // unparks, or this load sees its bit.
-                me.sleeping.store(true, Ordering::SeqCst);
-                if self.open.load(Ordering::SeqCst) & bit == 0 {
-                    thread::park();
-                }
-                // Woken: spin again, whether or not the caller has already taken the part it was woken for, so
-                // that the step's next products find this worker awake.
-                me.sleeping.store(false, Ordering::Relaxed);
-                return;
+            if !spins.is_multiple_of(64) {
+                continue;
             }
+            let waited = start.elapsed();
+            if waited < spin() {
+                if waited >= HOT {
+                    // Past the gaps inside a step: let any other thread ready on this core run first (the server's
+                    // event loop, a client on the same machine), coming back for the next product after it.
+                    thread::yield_now();
+                }
+                continue;
+            }
+            // A caller stores `open` before it reads `sleeping` (both SeqCst): either it sees this flag and
+            // unparks, or this load sees its bit.
+            me.sleeping.store(true, Ordering::SeqCst);
+            if self.open.load(Ordering::SeqCst) & bit == 0 {
+                thread::park();
+            }
+            // Woken: spin again, whether or not the caller has already taken the part it was woken for, so
+            // that the step's next products find this worker awake.
+            me.sleeping.store(false, Ordering::Relaxed);
+            return;
         }
     }
 }
