@@ -69,7 +69,7 @@ def main(path: str) -> None:
 
 def served_from(bytes_: float, caches: dict[int, dict], threads: int) -> int:
     """The level a working set of `bytes_` split across `threads` cores is read from: 2, 3, or 4 for memory."""
-    if 2 in caches and bytes_ / threads <= 0.75 * caches[2]["cache_bytes"]:
+    if 2 in caches and bytes_ / threads <= caches[2]["cache_bytes"]:
         return 2
     if 3 in caches and bytes_ <= 0.5 * caches[3]["cache_bytes"]:
         return 3
