@@ -22,7 +22,8 @@ from tinyloop import Generation, SamplingParams
 engine = tinyloop.Engine(sys.argv[1])
 ids = engine.encode("Once upon a time there was a little dog who ran to the park, and the sun was warm on the grass")
 out = {"threads": tinyloop._core.num_threads(), "score": engine.score(ids, [1, 3, 8])}
-paths = {"plain": {}, "chain": {"draft": (2, 4)}, "tree": {"draft": (2, 3), "k_branches": 3}, "window": {"cache_window": 8}}
+paths = {"plain": {}, "chain": {"draft": (2, 4)}, "tree": {"draft": (2, 3), "k_branches": 3},
+         "window": {"cache_window": 8}}
 for name, kw in paths.items():
     c = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3), loops=6, **kw)
     out[name] = [c.tokens, c.logprobs]

@@ -39,6 +39,7 @@ __all__ = [
     "check_device",
     "isa",
     "num_threads",
+    "read_bandwidth",
     "release_memory",
     "start_profile",
     "stop_profile",
