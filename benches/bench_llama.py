@@ -14,8 +14,10 @@ with tinyloop's and the agreement recorded (`extra_info["greedy_match"]`), not a
 the two differ by design (with `ignore_eos` mistral.rs emits it and goes on, tinyloop takes the runner-up).
 
 `test_greedy_tokens_identical` is the correctness check of the export: llama.cpp's greedy tokens equal tinyloop's
-for 20 prompts on each model. These CPUs have no AMX, so ggml's AMX path (ggml-org/llama.cpp#20824) cannot trigger;
-on a machine with AMX, build llama-cpp-python with CMAKE_ARGS="-DGGML_AMX=OFF" (or set GGML_AMX=OFF) for Q4_0/Q8_0.
+for 20 prompts on each model. On a CPU with AMX, ggml's AMX matmul segfaults
+on the seed-shaped Q4_0 model (ggml-org/llama.cpp#20824): build llama-cpp-python without it,
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
+-DGGML_AVX_VNNI=ON" (the native build turns AMX on wherever the CPU has it).
 """
 
 from __future__ import annotations
