@@ -22,6 +22,11 @@ def split(ms: dict[str, float]) -> dict[str, float]:
     }
 
 
+def limit_cases(cases: list[dict]) -> list[dict]:
+    """The cases the limit tables show: greedy and temperature 1 (the limits do not depend on the sampler)."""
+    return [e for e in cases if e["sampling"] in ("greedy", "temperature 1")]
+
+
 def main(path: str) -> None:
     data = json.load(open(path))
     limits = {b["name"]: b["extra_info"] for b in data["benchmarks"] if "gb_per_s" in b["extra_info"]}
@@ -50,9 +55,7 @@ def main(path: str) -> None:
         "| GFLOP/s | ÷ f32 peak |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for e in cases:
-        if e["sampling"] not in ("greedy", "temperature 1"):
-            continue  # the limits do not depend on the sampler
+    for e in limit_cases(cases):
         ms = e["ms_per_token"]
         gbs = e["bytes_per_token"] / ms["wall"] / 1e6
         matmul_gbs = e["block_bytes"] * e["loops"] / ms["matmul"] / 1e6
@@ -106,9 +109,7 @@ def levels(data: dict, cases: list[dict], dram: float | None) -> None:
         "| read from | head GB/s | ÷ level |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for e in cases:
-        if e["sampling"] not in ("greedy", "temperature 1"):
-            continue
+    for e in limit_cases(cases):
         ms = e["ms_per_token"]
         block, head = e["block_bytes"] * e["streams"], e["head_bytes"] * e["streams"]
         lb, lh = served_from(block, caches, threads), served_from(head, caches, threads)

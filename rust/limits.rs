@@ -54,8 +54,8 @@ pub const MAX_CONTROL_TOKENS: usize = 1024;
 /// Below this many multiply-adds a matmul runs on the calling thread rather than split across the team of spinning
 /// threads (`kernels::team`; a hand-off costs about a microsecond).
 pub const TEAM_MIN: usize = 1 << 15;
-/// Below this many multiply-adds a matmul the team cannot take (called from rayon's pool) runs on the calling
-/// thread (a rayon round trip costs more).
+/// Below this many multiply-adds a matmul the team does not take (inside `team::alone`, or while another caller
+/// holds it) runs on the calling thread rather than on rayon's pool (a rayon round trip costs more).
 pub const PARALLEL_MIN: usize = 1 << 18;
 /// A batched step whose model has at most this many bytes of layer weights (prelude and looped block) runs its
 /// sequences in one group per pool thread rather than spreading each matmul over the pool (`Model::run_blocks`):

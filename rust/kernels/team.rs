@@ -25,9 +25,9 @@ use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
 /// How long a worker spins for the next product before it sleeps, unless `TINYLOOP_SPIN_US` sets it (0: no team,
-/// each product on its caller's thread, as a machine shared with other work may prefer): longer than the gaps inside a step (norms, attention:
-/// microseconds) and than a caller's usual pause between steps outside the engine, so that a decoding stream's
-/// workers stay awake; an idle server's sleep within a millisecond.
+/// each product on its caller's thread, as a machine shared with other work may prefer): longer than the gaps inside
+/// a step (norms, attention: microseconds) and than a caller's usual pause between steps outside the engine, so that
+/// a decoding stream's workers stay awake; an idle server's sleep within a millisecond.
 const SPIN_US: u64 = 1000;
 
 fn spin() -> Duration {
