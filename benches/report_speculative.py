@@ -10,10 +10,13 @@ import sys
 def main(path: str, plot_path: str | None = None) -> None:
     rows, full = [], []  # drafts through the model's draft vocabulary / through the full head
     plain = None
+    interleaved = []
     for b in json.load(open(path))["benchmarks"]:
         e = b["extra_info"]
         tps = e["tokens"] / b["stats"]["min"]
-        if e["draft_loops"] == 0:
+        if e.get("interleaved"):
+            interleaved.append((e, tps, e["tokens"] / e["plain_min_s"]))
+        elif e["draft_loops"] == 0:
             plain = tps
         else:
             row = (
@@ -25,7 +28,15 @@ def main(path: str, plot_path: str | None = None) -> None:
                 e["accepted"] / max(1, e["proposed"]),
             )
             (full if e.get("head") == "full" else rows).append(row)
-    assert plain is not None, "the run has no plain baseline"
+    for e, tps, plain_tps in interleaved:
+        print(
+            f"At the server's defaults (draft_loops {e['draft_loops']}, draft_ahead {e['draft_ahead']}), interleaved "
+            f"with plain decoding round by round: {tps:.1f} / {plain_tps:.1f} tok/s = **{tps / plain_tps:.2f}×** plain "
+            f"({e['accepted'] / max(1, e['rounds']):.2f} accepted per round).\n"
+        )
+    if plain is None:
+        print("(the run has no plain case: no table of settings)")
+        return
     print(f"plain decoding at verify_loops 8: {plain:.1f} tok/s\n")
     print("| draft_loops | draft_ahead | K_branches | tok/s | × plain | accepted per round | acceptance rate |")
     print("|---|---|---|---|---|---|---|")
