@@ -13,6 +13,7 @@ import pytest
 
 import tinyloop
 from tinyloop import SamplingParams
+from tinyloop.server.protocol import SpeculativeRequest
 
 MODEL = Path(tinyloop.__file__).parent / "models" / "default.tinyloop"
 PROMPTS = [
@@ -77,7 +78,8 @@ def test_decode(benchmark, engines, reference, setting):
     )
 
 
-SERVER_DEFAULT = (2, 4)  # the request schemas' draft_loops / draft_ahead when a request asks for drafts
+# The server's drafts when a request asks for them without settings: the request schema's defaults.
+SERVER_DEFAULT = tuple(SpeculativeRequest.model_fields[f].default for f in ("draft_loops", "draft_ahead"))
 
 
 def test_server_default_interleaved(benchmark, engine, reference):
@@ -102,11 +104,8 @@ def test_server_default_interleaved(benchmark, engine, reference):
         interleaved=True,
         draft_loops=SERVER_DEFAULT[0],
         draft_ahead=SERVER_DEFAULT[1],
-        k_branches=1,
-        head="draft",
         tokens=TOKENS * len(PROMPTS),
         plain_min_s=min(plain_s),
         rounds=sum(o.draft_rounds for o in outs),
         accepted=sum(o.draft_accepted for o in outs),
-        proposed=sum(o.draft_proposed for o in outs),
     )
